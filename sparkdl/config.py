@@ -1,0 +1,89 @@
+"""Frozen, validated settings of a run. Every time bound of the launcher is a field here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from sparkdl.errors import ConfigError
+
+
+def _check_positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        suffix = " or None for no limit" if allow_none else ""
+        raise ConfigError(f"RunConfig.{name} must be a positive number of seconds{suffix}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Bounds and behaviour of :func:`sparkdl.run`. All durations are in seconds.
+
+    Example::
+
+        sparkdl.run(train, num_workers=4, config=sparkdl.RunConfig(timeout_s=3600))
+
+    Attributes:
+        max_attempts: how many times the whole gang may run before the run fails. ``None`` means
+            Spark's own ``spark.stage.maxConsecutiveAttempts`` (4 unless set).
+        timeout_s: wall-clock limit of one attempt, from the moment all ranks have started.
+            ``None`` (the default) means no limit on training time; hangs inside collectives are
+            still bounded by ``collective_timeout_s``.
+        start_timeout_s: how long all ranks of an attempt may take to be scheduled and to check in
+            with the driver. Busy task slots make a barrier stage wait; this turns the wait into an
+            error.
+        slot_wait_s: how long to wait for executors to register before deciding that the cluster
+            has too few task slots for ``num_workers``.
+        collective_timeout_s: timeout of the process group that sparkdl creates (and of a user's
+            own ``init_process_group`` call without a timeout): a rank that waits this long in a
+            collective fails, and the gang reruns.
+        connect_timeout_s: bound on a task's connection to the driver and on its first reply.
+        kill_grace_s: after a run is stopped, how long to wait for Spark to end its tasks.
+        log_tail_lines: lines of each rank's output kept for the failure report.
+        init_process_group: create the default torch process group before calling ``fn``.
+        echo_logs: print every rank's output on the driver, tagged with its rank.
+    """
+
+    max_attempts: int | None = None
+    timeout_s: float | None = None
+    start_timeout_s: float = 120.0
+    slot_wait_s: float = 10.0
+    collective_timeout_s: float = 1800.0
+    connect_timeout_s: float = 30.0
+    kill_grace_s: float = 30.0
+    log_tail_lines: int = 20
+    init_process_group: bool = True
+    echo_logs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_attempts is not None and (
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or self.max_attempts < 1
+        ):
+            raise ConfigError(
+                f"max_attempts must be an integer >= 1 (1 means no rerun); got {self.max_attempts!r}"
+            )
+        _check_positive("timeout_s", self.timeout_s, allow_none=True)
+        for name in (
+            "start_timeout_s",
+            "slot_wait_s",
+            "collective_timeout_s",
+            "connect_timeout_s",
+            "kill_grace_s",
+        ):
+            _check_positive(name, getattr(self, name))
+        if isinstance(self.log_tail_lines, bool) or not isinstance(self.log_tail_lines, int) or (
+            self.log_tail_lines < 0
+        ):
+            raise ConfigError(f"RunConfig.log_tail_lines must be an integer >= 0; got {self.log_tail_lines!r}")
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain values only, for shipping to the tasks."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,94 @@
+"""``sparkdl.context()``: who and where this rank is, inside a function launched by ``sparkdl.run``.
+
+The context is read from the rank process's environment, which the launcher sets before the
+user's code starts. That keeps it correct in threads and in DataLoader worker processes too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sparkdl.errors import NotInRunError
+
+if TYPE_CHECKING:
+    import torch
+
+ENV_PREFIX = "SPARKDL_"
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """This rank's place in the run.
+
+    Attributes:
+        rank: global rank, 0 .. world_size - 1.
+        world_size: number of ranks in the gang.
+        local_rank: index of this rank among the devices it can see: on GPUs each rank sees only
+            the GPUs Spark assigned to its task, so this is 0; on CPUs it is the index of this
+            rank among the ranks on the same host.
+        local_world_size: ranks that share ``local_rank``'s numbering.
+        attempt: 0 on the first run of the gang, 1 on its first rerun, and so on.
+        run_id: identifier shared by every rank of every attempt of the run.
+        host: address of the executor this rank runs on.
+        backend: ``"torch"`` or ``"horovod"``.
+        gpu_ids: GPU addresses Spark assigned to this rank's task (empty on CPU).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    attempt: int
+    run_id: str
+    host: str
+    backend: str
+    gpu_ids: tuple[str, ...]
+    use_cuda: bool
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:0`` (the first GPU this rank sees) when the rank runs on a GPU, else ``cpu``."""
+        import torch
+
+        return torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
+
+    @property
+    def is_chief(self) -> bool:
+        """True on rank 0, the rank whose return value ``run`` returns."""
+        return self.rank == 0
+
+
+def context() -> RunContext:
+    """The :class:`RunContext` of the calling rank.
+
+    Example::
+
+        def train():
+            ctx = sparkdl.context()
+            model = Net().to(ctx.device)
+            print(f"rank {ctx.rank} of {ctx.world_size}, attempt {ctx.attempt}")
+
+    Raises:
+        NotInRunError: when called outside a function launched by :func:`sparkdl.run`.
+    """
+    env = os.environ
+    if env.get(ENV_PREFIX + "RUN_ID") is None:
+        raise NotInRunError(
+            "sparkdl.context() is only available inside a function launched by sparkdl.run(...); "
+            "outside a run, pass rank and world_size explicitly where an API asks for them"
+        )
+    gpus = env.get(ENV_PREFIX + "GPU_IDS", "")
+    return RunContext(
+        rank=int(env[ENV_PREFIX + "RANK"]),
+        world_size=int(env[ENV_PREFIX + "WORLD_SIZE"]),
+        local_rank=int(env[ENV_PREFIX + "LOCAL_RANK"]),
+        local_world_size=int(env[ENV_PREFIX + "LOCAL_WORLD_SIZE"]),
+        attempt=int(env[ENV_PREFIX + "ATTEMPT"]),
+        run_id=env[ENV_PREFIX + "RUN_ID"],
+        host=env[ENV_PREFIX + "HOST"],
+        backend=env[ENV_PREFIX + "BACKEND"],
+        gpu_ids=tuple(g for g in gpus.split(",") if g),
+        use_cuda=env.get(ENV_PREFIX + "USE_CUDA") == "1",
+    )
