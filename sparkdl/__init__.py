@@ -2,9 +2,11 @@
 
 from sparkdl.config import RunConfig
 from sparkdl.context import RunContext, context
+from sparkdl.dataset import Dataset, write_dataset
 from sparkdl.errors import (
     BackendUnavailableError,
     ConfigError,
+    DatasetError,
     InsufficientSlotsError,
     NotInRunError,
     RunFailedError,
@@ -16,6 +18,8 @@ from sparkdl.launch import run
 __all__ = [
     "BackendUnavailableError",
     "ConfigError",
+    "Dataset",
+    "DatasetError",
     "InsufficientSlotsError",
     "NotInRunError",
     "RunConfig",
@@ -25,5 +29,6 @@ __all__ = [
     "SparkDLError",
     "context",
     "run",
+    "write_dataset",
 ]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ back to its sender. Payloads are JSON, never pickle, and are parsed only after t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -98,10 +99,8 @@ class FramedConnection:
         return message
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
 
 
@@ -222,10 +221,8 @@ class ChannelServer:
     def close(self) -> None:
         """Stops listening, closes every connection and joins the threads (bounded)."""
         self._closed.set()
-        try:
+        with contextlib.suppress(OSError):
             self._listener.close()
-        except OSError:
-            pass
         with self._lock:
             conns = list(self._conns)
             threads = list(self._threads)

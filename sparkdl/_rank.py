@@ -42,11 +42,18 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _format(exc: BaseException, *, skip_own_frame: bool) -> str:
+    tb = exc.__traceback__
+    if skip_own_frame and tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # the user's frames start below main()
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
 def _record_error(workdir: Path, exc: BaseException, where: str) -> None:
     summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
     info = {
         "error": f"{where}: {summary}" if where else summary,
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "traceback": _format(exc, skip_own_frame=not where),
     }
     _write_atomically(workdir / "error.json", json.dumps(info).encode())
 
@@ -93,7 +100,7 @@ def main() -> int:
             _write_atomically(workdir / "result.pkl", cloudpickle.dumps(None))
         return code
     except BaseException as exc:
-        traceback.print_exc()
+        sys.stderr.write(_format(exc, skip_own_frame=not stage))
         _record_error(workdir, exc, stage)
         return 1
 

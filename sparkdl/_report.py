@@ -5,6 +5,7 @@ Pure data and pure functions: no processes, no Spark. The launcher feeds it even
 
 from __future__ import annotations
 
+import re
 import signal
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -69,6 +70,11 @@ def decide(failed_attempt: int, max_attempts: int) -> str:
     return "rerun" if failed_attempt + 1 < max_attempts else "stop"
 
 
+def _error_key(error: str) -> str:
+    # Ports, pids and addresses differ between otherwise identical errors.
+    return re.sub(r"\d+", "N", error)
+
+
 def build_report(
     records: list[RankRecord],
     *,
@@ -76,13 +82,18 @@ def build_report(
     hint: str,
     spark_error: str | None = None,
 ) -> tuple[str, str]:
-    """The failure report, and the one-line root cause it names."""
+    """The failure report, and the one-line root cause it names.
+
+    Each attempt lists every rank's outcome; the first failure of each attempt also shows the
+    tail of its output, unless an earlier attempt already showed the same error.
+    """
     root = root_cause(records)
     root_line = f"attempt {root.attempt}, {root.summary()}" if root else "no rank reported a failure"
     lines = [headline, f"Root cause: {root_line}"]
     by_attempt: dict[int, list[RankRecord]] = defaultdict(list)
     for rec in records:
         by_attempt[rec.attempt].append(rec)
+    shown: set[str] = set()
     for attempt in sorted(by_attempt):
         recs = sorted(by_attempt[attempt], key=lambda r: r.rank)
         attempt_root = root_cause(recs)
@@ -90,21 +101,20 @@ def build_report(
         for rec in recs:
             marker = "  <- first failure of this attempt" if rec is attempt_root else ""
             lines.append(f"  {rec.summary()}{marker}")
-            if rec.failed and rec.tail:
+            key = _error_key(rec.error or rec.outcome())
+            if rec is attempt_root and rec.tail and key not in shown:
+                shown.add(key)
                 lines.append("    last output:")
                 lines.extend(f"    | {line}" for line in rec.tail)
     groups: dict[str, list[str]] = defaultdict(list)
     for rec in records:
-        if rec.failed and rec.error:
-            groups[rec.error].append(f"attempt {rec.attempt} rank {rec.rank}")
+        if rec.failed:
+            groups[_error_key(rec.error or rec.outcome())].append(f"attempt {rec.attempt} rank {rec.rank}")
     repeated = {err: where for err, where in groups.items() if len(where) > 1}
     if repeated:
-        lines.append("Identical errors:")
+        lines.append("Identical errors (numbers shown as N):")
         for err, where in repeated.items():
-            lines.append(f"  {err}  [{', '.join(where)}]")
-    if root is not None and root.traceback:
-        lines.append(f"Traceback of the root cause (attempt {root.attempt}, rank {root.rank}):")
-        lines.extend("  " + line for line in root.traceback.rstrip().splitlines())
+            lines.append(f"  {len(where)}x {err}  [{', '.join(where)}]")
     if spark_error:
         first = spark_error.strip().splitlines()[0] if spark_error.strip() else ""
         lines.append(f"Spark said: {first[:500]}")

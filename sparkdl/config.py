@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 from sparkdl.errors import ConfigError
 
@@ -83,6 +85,10 @@ class RunConfig:
             self.log_tail_lines < 0
         ):
             raise ConfigError(f"RunConfig.log_tail_lines must be an integer >= 0; got {self.log_tail_lines!r}")
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` applied and validated, e.g. ``cfg.replace(timeout_s=600)``."""
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, object]:
         """Plain values only, for shipping to the tasks."""

@@ -88,7 +88,7 @@ def run(
     """
     cfg = config or RunConfig()
     if max_attempts is not None:
-        cfg = RunConfig(**{**cfg.to_dict(), "max_attempts": max_attempts})
+        cfg = cfg.replace(max_attempts=max_attempts)
     if not callable(fn):
         raise ConfigError(f"fn must be callable; got {type(fn).__name__}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -430,20 +430,22 @@ def _run_job(
     def job() -> None:
         try:
             sc.setJobGroup(group, f"sparkdl.run: {n} ranks", interruptOnCancel=True)
-            df = (
+            df: Any = (
                 session.range(0, n, 1, n)
                 .mapInArrow(functools.partial(task_main, payload), _RESULT_SCHEMA, barrier=True)
                 .repartition(1)
             )
             if hasattr(df, "toArrow"):
                 table = df.toArrow()
-                chunks = sorted(zip(table.column("chunk").to_pylist(), table.column("data").to_pylist()))
+                chunks = sorted(
+                    zip(table.column("chunk").to_pylist(), table.column("data").to_pylist(), strict=True)
+                )
             else:  # pyspark 3.5
                 batches = df._collect_as_arrow()
                 chunks = sorted(
                     pair
                     for b in batches
-                    for pair in zip(b.column(0).to_pylist(), b.column(1).to_pylist())
+                    for pair in zip(b.column(0).to_pylist(), b.column(1).to_pylist(), strict=True)
                 )
             if not chunks:
                 raise SparkDLError("rank 0 finished but sent no return value back (internal error)")
@@ -518,5 +520,5 @@ def _failure(monitor: _Monitor, outcome: _Outcome, max_attempts: int, cfg: RunCo
         "Fix the root cause above; to allow more reruns of the gang, raise max_attempts "
         f"(now {max_attempts})."
     )
-    report, root = build_report(records, headline=headline, hint=hint, spark_error=spark_error)
+    report, root = build_report(records, headline=headline, hint=hint)
     return RunFailedError(report, attempts=attempts, root_cause=root)

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass

@@ -1,0 +1,149 @@
+"""Shared fixtures: one Spark session at a time for the whole test session, and leak checks.
+
+Spark allows one SparkContext per process. Tests ask for the session they need through
+``spark_session(master, conf)``; a request for the same master and confs reuses the running
+session, another stops it and starts the new one. Tests marked ``cluster`` run last, so the
+``local[2]`` session is shared by everything before them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+
+# Everything stays on loopback, and executors use this interpreter (the project's .venv).
+os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+
+_BASE_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.default.parallelism": "2",
+    "spark.python.worker.reuse": "true",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.driver.memory": "1g",
+}
+
+_current: dict[str, object] = {}
+
+
+def _get_session(master: str, conf: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    from pyspark.sql import SparkSession
+
+    key = (master, tuple(sorted((conf or {}).items())))
+    if _current.get("key") == key:
+        return _current["session"]
+    old = _current.get("session")
+    if old is not None:
+        old.stop()  # type: ignore[attr-defined]
+        _current.clear()
+    builder = SparkSession.builder.master(master).appName("sparkdl-tests")
+    for k, v in {**_BASE_CONF, **(conf or {})}.items():
+        builder = builder.config(k, v)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    _current.update(key=key, session=session)
+    return session
+
+
+@pytest.fixture(scope="session")
+def spark_session() -> Iterator[Callable[..., object]]:
+    """A factory: ``spark_session("local[2]")`` or ``spark_session("local-cluster[2,1,1024]", conf)``."""
+    yield _get_session
+    session = _current.get("session")
+    if session is not None:
+        session.stop()  # type: ignore[attr-defined]
+        _current.clear()
+
+
+@pytest.fixture(scope="module")
+def spark(spark_session):  # type: ignore[no-untyped-def]
+    """The shared local[2] session."""
+    return spark_session("local[2]")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Switching sessions costs seconds: keep every local[2] test before the cluster tests.
+    items.sort(key=lambda item: 1 if item.get_closest_marker("cluster") else 0)
+
+
+def _rank_processes() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        if "sparkdl._rank" in cmd:
+            found.append(proc)
+    return found
+
+
+def _is_pyspark_daemon(proc: psutil.Process) -> bool:
+    # PySpark's daemon (a child of the JVM) listens for its own workers; Spark owns it, not sparkdl.
+    # The workers it forks share its command line but not its parent, and stay under watch.
+    parent = proc.parent()
+    return (
+        "pyspark.daemon" in " ".join(proc.cmdline())
+        and parent is not None
+        and parent.name().startswith("java")
+    )
+
+
+def _listeners_outside_jvm() -> set[tuple[str, int, int]]:
+    """Listening TCP sockets of non-JVM processes in this test process's tree."""
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    found = set()
+    for proc in procs:
+        try:
+            if proc.name().startswith("java") or _is_pyspark_daemon(proc):
+                continue
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((conn.laddr.ip, conn.laddr.port, proc.pid))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def wait_no_leaks(before: set[tuple[str, int, int]], timeout_s: float = 20.0) -> None:
+    """Fails unless, within ``timeout_s``, no rank process runs and no new port listens."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks = _rank_processes()
+        new_listeners = {
+            (ip, port, pid) for ip, port, pid in _listeners_outside_jvm() - before
+        }
+        if not ranks and not new_listeners:
+            return
+        if time.monotonic() > deadline:
+            details = [" ".join(p.cmdline()) + f" (pid {p.pid})" for p in ranks]
+            for _, _, pid in new_listeners:
+                try:
+                    proc = psutil.Process(pid)
+                    parent = proc.parent()
+                    details.append(
+                        f"listener pid {pid}: {' '.join(proc.cmdline())} "
+                        f"(parent {parent.pid if parent else None} {parent.name() if parent else ''})"
+                    )
+                except psutil.NoSuchProcess:
+                    pass
+            raise AssertionError(
+                f"left running after the run: rank processes {details}, listeners {new_listeners}"
+            )
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """Asserts that a test leaves no rank process running and no new port listening."""
+    before = _listeners_outside_jvm()
+    yield
+    wait_no_leaks(before)

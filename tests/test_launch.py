@@ -1,0 +1,271 @@
+"""sparkdl.run on a real local[2] Spark session: launch, torch.distributed, logs, results, reruns, bounds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import cloudpickle
+import psutil
+import pytest
+
+import sparkdl
+
+# The rank functions below travel by value, as a notebook's functions do.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.spark
+
+FAST = sparkdl.RunConfig(start_timeout_s=60, slot_wait_s=2, connect_timeout_s=20, kill_grace_s=20)
+
+
+def allreduce_rank_sum(scale: float, *, offset: float = 0.0) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    ctx = sparkdl.context()
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    return {
+        "value": t.item() * scale + offset,
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "attempt": ctx.attempt,
+        "device": str(ctx.device),
+        "env": {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")},
+        "backend": dist.get_backend(),
+    }
+
+
+def test_run_returns_rank_0_value_with_process_group_and_env(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    out = sparkdl.run(allreduce_rank_sum, 2.0, num_workers=2, offset=1.0, config=FAST)
+    assert out["value"] == (1 + 2) * 2.0 + 1.0
+    assert out["rank"] == 0 and out["world_size"] == 2 and out["attempt"] == 0
+    assert out["device"] == "cpu" and out["backend"] == "gloo"
+    env = out["env"]
+    assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("0", "2", "0", "2")
+
+
+def ddp_written_for_torchrun() -> list[float]:
+    # Unchanged torchrun-style code: it creates the process group itself, from the environment.
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group(backend="gloo", init_method="env://")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.full((8, 4), float(rank + 1))
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    gathered = [torch.zeros_like(weights[0]) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, weights[0])
+    assert all(torch.equal(gathered[0], g) for g in gathered), "DDP replicas diverged"
+    dist.destroy_process_group()
+    return weights[0].flatten().tolist()
+
+
+def test_existing_ddp_code_runs_unchanged(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    weights = sparkdl.run(ddp_written_for_torchrun, num_workers=2, config=FAST)
+    assert len(weights) == 4
+
+
+def ranks_without_sparkdl_group() -> bool:
+    import torch.distributed as dist
+
+    was = dist.is_initialized()
+    dist.init_process_group("gloo")
+    dist.barrier()
+    return was
+
+
+def test_init_process_group_can_be_left_to_the_user(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    cfg = FAST.replace(init_process_group=False)
+    assert sparkdl.run(ranks_without_sparkdl_group, num_workers=2, config=cfg) is False
+
+
+def chatty(lines: int, long_chars: int) -> int:
+    rank = sparkdl.context().rank
+    for i in range(lines):
+        print(f"line {i} of rank {rank}")
+        if i % 97 == 0:
+            print(f"err {i} of rank {rank}", file=sys.stderr)
+    print("L" * long_chars + "END")
+    sys.stdout.write("no newline at the end")
+    return lines
+
+
+def test_every_output_line_reaches_the_driver_tagged_and_whole(spark, capfd, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    n, long_chars = 1500, 3 * 1024 * 1024
+    assert sparkdl.run(chatty, n, long_chars, num_workers=2, config=FAST) == n
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        tag = f"[rank {rank}] "
+        got = [line[len(tag):] for line in out.splitlines() if line.startswith(tag)]
+        expected = [f"line {i} of rank {rank}" for i in range(n)]
+        assert [g for g in got if g.startswith("line ")] == expected  # all, in order
+        assert "L" * long_chars + "END" in got  # a 3 MB line arrives uncut
+        assert "no newline at the end" in got
+        errs = [line for line in err.splitlines() if line.startswith(tag + "err ")]
+        assert len(errs) == len(range(0, n, 97))
+
+
+def big_state_dict() -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    return {"w": torch.randn(27_000_000, generator=g), "b": torch.arange(10)}  # ~108 MB
+
+
+def test_a_100mb_return_value_comes_back_intact(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    out = sparkdl.run(big_state_dict, num_workers=2, config=FAST)
+    expected = big_state_dict()
+    assert out["w"].numel() * 4 >= 100 * 1024 * 1024
+    assert torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"])
+
+
+def fail_on_first_attempt(how: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    ctx = sparkdl.context()
+    dist.barrier()
+    if ctx.attempt == 0 and ctx.rank == 1:
+        print("rank 1 about to fail", flush=True)
+        if how == "raise":
+            raise ValueError("injected failure on rank 1")
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "exit":
+            os._exit(7)
+        if how == "hang":
+            time.sleep(3600)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"attempt": ctx.attempt, "sum": t.item(), "pid": os.getpid()}
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("how", ["raise", "sigkill", "exit"])
+def test_a_failed_rank_reruns_the_whole_gang(spark, no_leaks, capfd, how: str) -> None:  # type: ignore[no-untyped-def]
+    out = sparkdl.run(fail_on_first_attempt, how, num_workers=2, max_attempts=3, config=FAST)
+    assert out["attempt"] == 1 and out["sum"] == 2.0
+    assert not psutil.pid_exists(out["pid"]) or psutil.Process(out["pid"]).status() == psutil.STATUS_ZOMBIE
+    _, err = capfd.readouterr()
+    if how == "raise":
+        assert "ValueError: injected failure on rank 1" in err
+
+
+@pytest.mark.fault
+def test_a_rank_hanging_in_a_collective_is_bounded_and_the_gang_reruns(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    cfg = FAST.replace(collective_timeout_s=4.0)
+    start = time.monotonic()
+    out = sparkdl.run(fail_on_first_attempt, "hang", num_workers=2, max_attempts=2, config=cfg)
+    assert out["attempt"] == 1
+    assert time.monotonic() - start < 60
+
+
+def sleep_forever() -> None:
+    time.sleep(3600)
+
+
+@pytest.mark.fault
+def test_a_run_that_exceeds_timeout_s_is_stopped_and_says_which_setting(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    cfg = FAST.replace(timeout_s=3.0)
+    start = time.monotonic()
+    with pytest.raises(sparkdl.RunTimeoutError, match=r"timeout_s=3 s \(RunConfig.timeout_s\)"):
+        sparkdl.run(sleep_forever, num_workers=2, config=cfg)
+    assert time.monotonic() - start < 40
+
+
+def always_fails() -> None:
+    ctx = sparkdl.context()
+    print(f"working on attempt {ctx.attempt}")
+    raise RuntimeError(f"broken on rank {ctx.rank}")
+
+
+@pytest.mark.fault
+def test_when_attempts_are_used_up_one_report_names_every_attempt(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(sparkdl.RunFailedError) as info:
+        sparkdl.run(always_fails, num_workers=2, max_attempts=2, config=FAST)
+    err = info.value
+    assert err.attempts == 2
+    report = str(err)
+    assert "failed after 2 attempt(s)" in report
+    assert "Attempt 0:" in report and "Attempt 1:" in report
+    assert "Root cause: attempt 0, rank" in report and "RuntimeError: broken on rank" in report
+    assert "| working on attempt 0" in report
+    assert "max_attempts" in report
+    assert "127.0.0.1" in report
+
+
+@pytest.mark.fault
+def test_too_many_workers_fails_in_seconds_naming_numbers_and_confs(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    cfg = FAST.replace(slot_wait_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(sparkdl.InsufficientSlotsError) as info:
+        sparkdl.run(sleep_forever, num_workers=3, config=cfg)
+    assert time.monotonic() - start < 10
+    msg = str(info.value)
+    assert "num_workers=3" in msg and "has 2" in msg and "spark.task.cpus" in msg
+    assert info.value.required == 3 and info.value.available == 2
+
+
+def test_gpu_without_gpu_confs_is_refused_before_launch(spark) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(sparkdl.ConfigError, match=r"spark\.task\.resource\.gpu\.amount"):
+        sparkdl.run(sleep_forever, num_workers=1, use_gpu=True, config=FAST)
+
+
+def test_a_conflicting_session_is_refused(spark) -> None:  # type: ignore[no-untyped-def]
+    other = spark.newSession()
+    with pytest.raises(sparkdl.ConfigError, match="not the active session"):
+        sparkdl.run(sleep_forever, num_workers=1, spark=other, config=FAST)
+
+
+def listening_sockets() -> list[tuple[str, int]]:
+    import torch.distributed as dist
+
+    dist.barrier()
+    found = [
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    dist.barrier()
+    return found
+
+
+def test_every_listener_of_a_run_is_on_loopback(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    me = psutil.Process()
+    driver_listeners: set[tuple[str, int]] = set()
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            for c in me.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    driver_listeners.add((c.laddr.ip, c.laddr.port))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        rank0 = sparkdl.run(listening_sockets, num_workers=2, config=FAST)
+    finally:
+        stop.set()
+        sampler.join()
+    assert rank0, "rank 0 hosts the TCPStore, so it must listen somewhere"
+    assert driver_listeners, "the driver's channel must have been seen listening"
+    for ip, _ in [*rank0, *driver_listeners]:
+        assert ip == "127.0.0.1", f"listener on {ip}, not loopback"
