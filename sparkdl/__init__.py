@@ -1,5 +1,6 @@
 """sparkdl: distributed PyTorch training and inference inside Apache Spark."""
 
+from sparkdl.checkpoint import CheckpointStore, TrainState
 from sparkdl.config import RunConfig
 from sparkdl.context import RunContext, context
 from sparkdl.dataset import Dataset, write_dataset
@@ -17,6 +18,7 @@ from sparkdl.launch import run
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointStore",
     "ConfigError",
     "Dataset",
     "DatasetError",
@@ -27,6 +29,7 @@ __all__ = [
     "RunFailedError",
     "RunTimeoutError",
     "SparkDLError",
+    "TrainState",
     "context",
     "run",
     "write_dataset",

@@ -70,6 +70,58 @@ def decide(failed_attempt: int, max_attempts: int) -> str:
     return "rerun" if failed_attempt + 1 < max_attempts else "stop"
 
 
+# Errors in the program itself: raised the same way by every rank, a rerun meets them again.
+PROGRAM_ERRORS = frozenset({
+    "TypeError",
+    "NameError",
+    "AttributeError",
+    "ImportError",
+    "ModuleNotFoundError",
+    "SyntaxError",
+    "IndentationError",
+    "NotImplementedError",
+    "UnboundLocalError",
+})
+
+
+def _error_type(error: str | None) -> str:
+    head = (error or "").split(":", 1)[0].strip()
+    return head.rsplit(".", 1)[-1]
+
+
+def unrecoverable(
+    attempt: list[RankRecord], previous: list[RankRecord], *, progressed: bool
+) -> str | None:
+    """Why rerunning the gang after this failed attempt cannot help, or None when it may.
+
+    A rerun is skipped only when the attempt made no progress (saved no new checkpoint) and
+    either every rank failed with the same error of a kind that is a bug in the program
+    (``TypeError``, ``NameError``, ...), or the attempt failed with the same root cause as the
+    attempt before it. Anything else (a crash, a signal, a lost executor, a timeout in a
+    collective, a one-off error on one rank) is worth a rerun.
+    """
+    if progressed or not attempt:
+        return None
+    errors = {_error_key(r.error) for r in attempt if r.state == "failed" and r.error}
+    all_failed = all(r.state == "failed" and r.error for r in attempt)
+    if all_failed and len(errors) == 1:
+        kind = _error_type(attempt[0].error)
+        if kind in PROGRAM_ERRORS:
+            return f"every rank raised the same {kind} ({attempt[0].error}); a rerun would raise it again"
+    root, before = root_cause(attempt), root_cause(previous)
+    if (
+        root is not None
+        and before is not None
+        and root.error
+        and _error_key(root.error) == _error_key(before.error or "")
+    ):
+        return (
+            f"attempt {root.attempt} failed with the same root cause as attempt {before.attempt} "
+            f"({root.error}) and saved no checkpoint in between"
+        )
+    return None
+
+
 def _error_key(error: str) -> str:
     # Ports, pids and addresses differ between otherwise identical errors.
     return re.sub(r"\d+", "N", error)

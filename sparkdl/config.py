@@ -50,6 +50,9 @@ class RunConfig:
         log_tail_lines: lines of each rank's output kept for the failure report.
         init_process_group: create the default torch process group before calling ``fn``.
         echo_logs: print every rank's output on the driver, tagged with its rank.
+        keep_checkpoints: complete checkpoints kept in the checkpoint directory.
+        stop_on_repeated_error: stop before ``max_attempts`` when a rerun cannot help (see
+            :func:`sparkdl._report.decide`).
     """
 
     max_attempts: int | None = None
@@ -62,6 +65,8 @@ class RunConfig:
     log_tail_lines: int = 20
     init_process_group: bool = True
     echo_logs: bool = True
+    keep_checkpoints: int = 3
+    stop_on_repeated_error: bool = True
 
     def __post_init__(self) -> None:
         if self.max_attempts is not None and (
@@ -85,6 +90,10 @@ class RunConfig:
             self.log_tail_lines < 0
         ):
             raise ConfigError(f"RunConfig.log_tail_lines must be an integer >= 0; got {self.log_tail_lines!r}")
+        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints, int) or (
+            self.keep_checkpoints < 1
+        ):
+            raise ConfigError(f"RunConfig.keep_checkpoints must be an integer >= 1; got {self.keep_checkpoints!r}")
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` applied and validated, e.g. ``cfg.replace(timeout_s=600)``."""

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sparkdl.errors import NotInRunError
 
 if TYPE_CHECKING:
     import torch
+
+    from sparkdl.checkpoint import CheckpointStore
 
 ENV_PREFIX = "SPARKDL_"
 
@@ -53,6 +55,45 @@ class RunContext:
         import torch
 
         return torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
+
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        """The run's checkpoint store (``run(checkpoint_dir=...)``)."""
+        from sparkdl.checkpoint import CheckpointStore
+
+        url = os.environ.get(ENV_PREFIX + "CHECKPOINT_DIR")
+        if not url:
+            raise NotInRunError("this run has no checkpoint directory")
+        return CheckpointStore(url, keep=int(os.environ.get(ENV_PREFIX + "KEEP_CHECKPOINTS", "3")))
+
+    def save_checkpoint(self, obj: Any, *, all_ranks: bool = False) -> int | None:
+        """Saves ``obj`` (any picklable object or state_dicts) as the run's next checkpoint.
+
+        By default only rank 0 writes and other ranks return None at once; the write is atomic,
+        so a crash in the middle leaves the previous checkpoint valid. The last
+        ``RunConfig.keep_checkpoints`` are kept. With ``all_ranks=True`` every rank writes to
+        its own subdirectory ``rank-<r>``.
+
+        Returns:
+            the checkpoint's sequence number on a rank that wrote, else None.
+        """
+        if all_ranks:
+            from sparkdl.checkpoint import CheckpointStore
+
+            store = self.checkpoints
+            return CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep).save(obj)
+        if self.rank != 0:
+            return None
+        return self.checkpoints.save(obj)
+
+    def load_checkpoint(self, *, all_ranks: bool = False) -> Any:
+        """The latest complete checkpoint of the run (rank 0's, or this rank's own), or None."""
+        store = self.checkpoints
+        if all_ranks:
+            from sparkdl.checkpoint import CheckpointStore
+
+            store = CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep)
+        return store.load()
 
     @property
     def is_chief(self) -> bool:

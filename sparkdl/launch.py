@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkdl._channel import ChannelServer, FramedConnection, Message
-from sparkdl._report import RankRecord, build_report, decide
+from sparkdl._report import RankRecord, build_report, decide, unrecoverable
 from sparkdl.backends import BACKENDS, get_backend
+from sparkdl.checkpoint import CheckpointStore
 from sparkdl.config import RunConfig
 from sparkdl.errors import (
     ConfigError,
@@ -49,6 +50,7 @@ def run(
     max_attempts: int | None = None,
     config: RunConfig | None = None,
     spark: SparkSession | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
     **kwargs: Any,
 ) -> T:
     """Runs ``fn(*args, **kwargs)`` on ``num_workers`` gang-scheduled Spark tasks; returns rank 0's value.
@@ -79,6 +81,11 @@ def run(
         max_attempts: runs of the gang allowed in all (overrides ``config.max_attempts``).
         config: bounds and behaviour, see :class:`RunConfig`.
         spark: the session to use; by default the active one, else a new local one.
+        checkpoint_dir: where ``context().save_checkpoint`` writes: a local or shared path or
+            any URL pyarrow/fsspec reach; every executor must reach it. By default a new
+            directory ``<spark.sparkdl.runDir>/<run id>/checkpoints`` (the run directory defaults
+            to ``<temp dir>/sparkdl-runs``, which suits local mode). Pass the same directory
+            again to resume a run that the driver restarted.
 
     Raises:
         ConfigError: bad arguments or Spark confs, before any task starts.
@@ -107,7 +114,8 @@ def run(
 
     run_id = secrets.token_hex(6)
     secret = secrets.token_bytes(32)
-    monitor = _Monitor(num_workers, attempts_allowed, cfg)
+    store = _checkpoint_store(sc, run_id, checkpoint_dir, cfg)
+    monitor = _Monitor(num_workers, attempts_allowed, cfg, store)
     with ChannelServer(_driver_bind_host(sc), secret, monitor.on_message, monitor.on_close) as server:
         base_payload = TaskPayload(
             run_id=run_id,
@@ -122,6 +130,8 @@ def run(
             connect_timeout_s=cfg.connect_timeout_s,
             init_process_group=cfg.init_process_group,
             log_tail_lines=cfg.log_tail_lines,
+            checkpoint_url=store.url,
+            keep_checkpoints=cfg.keep_checkpoints,
         )
         job_index = 0
         while True:
@@ -137,6 +147,17 @@ def run(
             if outcome.stop_reason is None and monitor.any_rank_started() and used < attempts_allowed:
                 continue
             raise _failure(monitor, outcome, attempts_allowed, cfg)
+
+
+def _checkpoint_store(
+    sc: Any, run_id: str, checkpoint_dir: str | os.PathLike[str] | None, cfg: RunConfig
+) -> CheckpointStore:
+    import tempfile
+
+    if checkpoint_dir is None:
+        runs = sc.getConf().get("spark.sparkdl.runDir", None) or os.path.join(tempfile.gettempdir(), "sparkdl-runs")
+        checkpoint_dir = f"{runs.rstrip('/')}/{run_id}/checkpoints"
+    return CheckpointStore(checkpoint_dir, keep=cfg.keep_checkpoints)
 
 
 def _pickle_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
@@ -279,7 +300,10 @@ class _Outcome:
 class _Monitor:
     """What the driver knows about every rank of every attempt; fed by the channel's threads."""
 
-    def __init__(self, num_workers: int, max_attempts: int, cfg: RunConfig) -> None:
+    def __init__(self, num_workers: int, max_attempts: int, cfg: RunConfig, store: CheckpointStore) -> None:
+        self.store = store
+        self._start_seq: dict[int, int | None] = {}
+        self._settled: set[int] = set()
         self.num_workers = num_workers
         self.max_attempts = max_attempts
         self.cfg = cfg
@@ -290,6 +314,7 @@ class _Monitor:
         self._hellos: dict[int, Message] = {}
         self._gangs: dict[tuple[int, ...], int] = {}
         self.stopping: str | None = None
+        self.gave_up: str | None = None
         self.last_trouble = time.monotonic()
         self.running_since: float | None = None
 
@@ -393,12 +418,37 @@ class _Monitor:
     def failed_attempts(self) -> list[int]:
         return sorted({a for (a, _), r in self.records.items() if r.failed})
 
+    def _latest_checkpoint(self) -> int | None:
+        try:
+            return self.store.latest()
+        except Exception:
+            return None
+
+    def _attempt_records(self, attempt: int) -> list[RankRecord]:
+        return [r for (a, _), r in self.records.items() if a == attempt]
+
     def check(self, job_started: float) -> tuple[str, bool] | None:
         """A reason to stop the job now, and whether it is a timeout; None to keep waiting."""
         now = time.monotonic()
+        for attempt in range(len(self._gangs)):
+            if attempt not in self._start_seq:
+                self._start_seq[attempt] = self._latest_checkpoint()
         for attempt in self.failed_attempts():
             if decide(attempt, self.max_attempts) == "stop":
                 return f"attempt {attempt} failed and max_attempts={self.max_attempts} are used up", False
+            if not self.cfg.stop_on_repeated_error or attempt in self._settled:
+                continue
+            recs = self._attempt_records(attempt)
+            first = min((r.failed_at for r in recs if r.failed_at is not None), default=now)
+            terminal = all(r.state in ("succeeded", "failed", "lost") for r in recs)
+            if not (terminal or attempt + 1 < len(self._gangs) or now - first > 10.0):
+                continue  # wait for the other ranks' outcomes of this attempt
+            self._settled.add(attempt)
+            progressed = self._latest_checkpoint() != self._start_seq.get(attempt)
+            why = unrecoverable(recs, self._attempt_records(attempt - 1), progressed=progressed)
+            if why is not None:
+                self.gave_up = why
+                return f"not rerunning the gang: {why} (RunConfig.stop_on_repeated_error)", False
         if self.running_since is None:
             waiting = now - max(self.last_trouble, job_started)
             if waiting > self.cfg.start_timeout_s:
@@ -516,6 +566,11 @@ def _failure(monitor: _Monitor, outcome: _Outcome, max_attempts: int, cfg: RunCo
         report, root = build_report(records, headline=headline, hint=hint, spark_error=None)
         return RunTimeoutError(report, attempts=attempts, root_cause=outcome.stop_reason)
     headline = f"sparkdl.run failed after {attempts} attempt(s) of the gang (max_attempts={max_attempts})."
+    if monitor.gave_up:
+        headline += (
+            f" It stopped early: {monitor.gave_up}. To rerun anyway, set "
+            "RunConfig(stop_on_repeated_error=False)."
+        )
     hint = (
         "Fix the root cause above; to allow more reruns of the gang, raise max_attempts "
         f"(now {max_attempts})."

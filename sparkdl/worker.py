@@ -48,6 +48,8 @@ class TaskPayload:
     connect_timeout_s: float
     init_process_group: bool
     log_tail_lines: int
+    checkpoint_url: str
+    keep_checkpoints: int
 
 
 class RankFailed(RuntimeError):
@@ -307,6 +309,8 @@ def _base_env(payload: TaskPayload, rank: int, host: str, gpu_ids: list[str]) ->
         "SPARKDL_GPU_IDS": ",".join(gpu_ids),
         "SPARKDL_COLLECTIVE_TIMEOUT_S": str(payload.collective_timeout_s),
         "SPARKDL_INIT_PROCESS_GROUP": "1" if payload.init_process_group else "0",
+        "SPARKDL_CHECKPOINT_DIR": payload.checkpoint_url,
+        "SPARKDL_KEEP_CHECKPOINTS": str(payload.keep_checkpoints),
     })
     iface = _iface_for(host)
     if iface is not None:

@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# Creates or reuses .venv at the repository root, with Java 17 on the machine.
+# Creates or reuses the venv of a stack at the repository root, with Java 17 on the machine.
 # Sourced by tools/demo and tools/test; safe to run again (it does nothing when up to date).
 #
+#   bash tools/bootstrap.sh                                   # modern stack in .venv
+#   SPARKDL_STACK=classic bash tools/bootstrap.sh             # classic stack (Spark 3.5, Petastorm) in .venv-classic
+#   SPARKDL_WITH_HOROVOD=1 bash tools/bootstrap.sh            # and Horovod, built once by tools/build-horovod.sh
+#
 # Settings (environment variables):
+#   SPARKDL_STACK          modern (default) or classic: the exact versions are in constraints/<stack>.txt
+#   SPARKDL_VENV           the venv to create or reuse (default: .venv for modern, .venv-<stack> otherwise)
+#   SPARKDL_WITH_HOROVOD   1: also install Horovod with PyTorch and Gloo (compiled once, ~3 min, then cached
+#                          in SPARKDL_WHEEL_CACHE, default .cache/wheels); default 0
 #   SPARKDL_TORCH          torch requirement to install first (default: torch==2.13.0, the CPU build here)
 #   SPARKDL_TORCH_INDEX    a wheel index for torch, e.g. https://download.pytorch.org/whl/cu126 for a CUDA build
 #   SPARKDL_PYTHON         the Python interpreter that creates the venv (default: python3)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${SPARKDL_VENV:-$ROOT/.venv}"
 STACK="${SPARKDL_STACK:-modern}"
+case "$STACK" in
+  modern) DEFAULT_VENV="$ROOT/.venv"; EXTRAS="dev" ;;
+  # Petastorm needs pyarrow < 15, which only this stack has.
+  classic) DEFAULT_VENV="$ROOT/.venv-classic"; EXTRAS="dev,petastorm" ;;
+  *) echo "[bootstrap] SPARKDL_STACK=$STACK: choose modern or classic" >&2; exit 1 ;;
+esac
+VENV="${SPARKDL_VENV:-$DEFAULT_VENV}"
 CONSTRAINTS="$ROOT/constraints/$STACK.txt"
+WITH_HOROVOD="${SPARKDL_WITH_HOROVOD:-0}"
 TORCH_REQ="${SPARKDL_TORCH:-torch==2.13.0}"
 TORCH_INDEX="${SPARKDL_TORCH_INDEX:-}"
 PYTHON="${SPARKDL_PYTHON:-python3}"
@@ -44,7 +59,7 @@ ensure_java() {
 ensure_venv() {
   local stamp_file="$VENV/.sparkdl-stamp"
   local want
-  want="$(cat "$ROOT/pyproject.toml" "$CONSTRAINTS" | sha256sum | cut -c1-16) $TORCH_REQ $TORCH_INDEX"
+  want="$(cat "$ROOT/pyproject.toml" "$CONSTRAINTS" | sha256sum | cut -c1-16) $STACK $TORCH_REQ $TORCH_INDEX"
   if [ -x "$VENV/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$want" ]; then
     return
   fi
@@ -61,15 +76,24 @@ ensure_venv() {
     log "installing $TORCH_REQ"
     "$VENV/bin/python" -m pip install -q "$TORCH_REQ" >&2
   fi
-  log "installing sparkdl and its $STACK stack (constraints/$STACK.txt)"
+  log "installing sparkdl[$EXTRAS] and its $STACK stack (constraints/$STACK.txt) in $VENV"
   # The torch pin in the constraints file is dropped when the user chose another build.
   local cfile
   cfile="$(mktemp)"
   grep -v '^torch==' "$CONSTRAINTS" > "$cfile"
-  "$VENV/bin/python" -m pip install -q -c "$cfile" -e "$ROOT[dev]" >&2
+  "$VENV/bin/python" -m pip install -q -c "$cfile" -e "$ROOT[$EXTRAS]" >&2
   rm -f "$cfile"
   echo "$want" > "$stamp_file"
 }
 
+ensure_horovod() {
+  # It keeps its own stamp (Horovod, torch and Python versions): a rerun costs one Python start.
+  [ "$WITH_HOROVOD" = "1" ] || return 0
+  SPARKDL_STACK="$STACK" bash "$ROOT/tools/build-horovod.sh" "$VENV"
+}
+
 ensure_java
 ensure_venv
+# Read by tools/build-horovod.sh, so that a venv gets its own stack's pins.
+[ "$(cat "$VENV/.sparkdl-stack" 2>/dev/null)" = "$STACK" ] || echo "$STACK" > "$VENV/.sparkdl-stack"
+ensure_horovod

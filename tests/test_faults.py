@@ -1,0 +1,263 @@
+"""Fault injection with checkpoints: every rerun of the gang resumes where the gang left off.
+
+Each case trains the same small model from a real Parquet dataset with ``sparkdl.TrainState``,
+injects a fault on attempt 0, and asserts the outcome, that the final weights are bitwise equal
+to those of an uninterrupted run (CPU, deterministic), that nothing is left running or
+listening, and that the source data and the committed checkpoints are intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import psutil
+import pytest
+
+import sparkdl
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = [pytest.mark.spark, pytest.mark.fault]
+
+CFG = sparkdl.RunConfig(start_timeout_s=90, slot_wait_s=30, collective_timeout_s=6.0, kill_grace_s=30)
+EPOCHS, BATCH, SAVE_EVERY = 3, 16, 3
+
+
+@pytest.fixture(scope="module")
+def dataset(spark, tmp_path_factory):  # type: ignore[no-untyped-def]
+    import random
+
+    rng = random.Random(5)
+    rows = []
+    for i in range(300):
+        x = [rng.uniform(-1, 1) for _ in range(8)]
+        rows.append((i, x, sum(x[:4]) - 0.5 * x[5] + rng.gauss(0, 0.05)))
+    df = spark.createDataFrame(rows, "id long, x array<float>, y double")
+    return sparkdl.write_dataset(df, str(tmp_path_factory.mktemp("faults") / "data"), num_files=3)
+
+
+def _digest(ds: sparkdl.Dataset) -> str:
+    root = Path(ds.url.removeprefix("file://"))
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+class Bomb:
+    """Pickles fine, except on the chosen save of attempt 0, where the process dies mid-save."""
+
+    def __init__(self, on_save: int) -> None:
+        self.on_save = on_save
+        self.saves = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.saves += 1
+        ctx = sparkdl.context()
+        if ctx.attempt == 0 and self.saves == self.on_save:
+            os._exit(9)
+        return (dict, ())  # stored as an empty dict: the checkpoint must not need this test module
+
+
+def train(ds: sparkdl.Dataset, fault: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = sparkdl.context()
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)
+    )
+    model = DDP(net)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    extra = {"bomb": Bomb(fault["save"])} if fault.get("how") == "crash_in_save" else None
+    state = sparkdl.TrainState(model, opt, ds.loader(BATCH, seed=3, drop_last=True), extra=extra)
+    for batch in state.batches(epochs=EPOCHS, save_every=SAVE_EVERY):
+        step = state.global_step
+        target = fault.get("step", -1)
+        if fault.get("how") == "raise_later":  # each attempt fails a little further on
+            target += (SAVE_EVERY + 1) * ctx.attempt
+        hit = ctx.rank == fault.get("rank") and step == target
+        if hit and (ctx.attempt == 0 or fault.get("every_attempt")):
+            how = fault["how"]
+            if how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "raise":
+                raise RuntimeError(f"injected failure at step {step} on attempt {ctx.attempt}")
+            if how == "hang":
+                time.sleep(3600)
+            if how == "kill_executor":
+                executor = next(p for p in psutil.Process().parents() if p.name().startswith("java"))
+                executor.kill()
+                time.sleep(3600)
+            if how == "raise_later":
+                raise RuntimeError(f"flaky failure at step {step}")
+        loss = torch.nn.functional.mse_loss(model(batch["x"]).squeeze(1), batch["y"].float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {
+        "weights": {k: v.clone() for k, v in model.module.state_dict().items()},
+        "attempt": ctx.attempt,
+        "restored_from": state.restored_from,
+        "steps": state.global_step,
+        "steps_per_epoch": len(state.loader),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(spark, dataset, tmp_path_factory):  # type: ignore[no-untyped-def]
+    out = sparkdl.run(train, dataset, {}, num_workers=2, config=CFG,
+                      checkpoint_dir=str(tmp_path_factory.mktemp("ref") / "ckpt"))
+    assert out["attempt"] == 0 and out["restored_from"] is None
+    assert out["steps"] == EPOCHS * out["steps_per_epoch"]
+    return out
+
+
+def _assert_same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted run"
+
+
+def _assert_checkpoints_loadable(ckpt_dir: Path) -> list[int]:
+    store = sparkdl.CheckpointStore(str(ckpt_dir))
+    seqs = store.sequence_numbers()
+    assert seqs, "no checkpoint was committed"
+    for seq in seqs:
+        assert store.load(seq)["global_step"] > 0
+    return seqs
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"how": "sigkill", "rank": 1, "step": 7},
+        {"how": "raise", "rank": 0, "step": 7},
+        {"how": "hang", "rank": 1, "step": 7},
+    ],
+    ids=["sigkill-rank1-step7", "exception-rank0-step7", "hang-in-collective-rank1-step7"],
+)
+def test_rerun_resumes_bitwise_equal(spark, dataset, reference, tmp_path, no_leaks, fault) -> None:  # type: ignore[no-untyped-def]
+    before = _digest(dataset)
+    start = time.monotonic()
+    out = sparkdl.run(train, dataset, fault, num_workers=2, max_attempts=3, config=CFG,
+                      checkpoint_dir=str(tmp_path / "ckpt"))
+    assert out["attempt"] == 1
+    assert out["restored_from"] is not None  # it resumed, it did not start over
+    assert out["steps"] == reference["steps"]
+    _assert_same_weights(out["weights"], reference["weights"])
+    assert _digest(dataset) == before
+    _assert_checkpoints_loadable(tmp_path / "ckpt")
+    assert time.monotonic() - start < 120
+
+
+def test_a_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(spark, dataset, reference, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    # Rank 0 dies while saving its 2nd checkpoint: the 1st stays the latest, and the run resumes from it.
+    fault = {"how": "crash_in_save", "save": 2}
+    out = sparkdl.run(train, dataset, fault, num_workers=2, max_attempts=3, config=CFG,
+                      checkpoint_dir=str(tmp_path / "ckpt"))
+    assert out["attempt"] == 1 and out["restored_from"] == 1
+    _assert_same_weights(out["weights"], reference["weights"])
+    _assert_checkpoints_loadable(tmp_path / "ckpt")
+    assert not list((tmp_path / "ckpt").glob(".tmp-*")), "the crashed write's temporary file was not cleaned up"
+
+
+_WRITER = """
+import sys, torch
+from sparkdl.checkpoint import CheckpointStore
+store = CheckpointStore(sys.argv[1])
+store.save({"global_step": 1, "w": torch.zeros(10)})
+print("first", flush=True)
+store.save({"global_step": 2, "w": torch.randn(int(sys.argv[2]))})
+"""
+
+
+def test_sigkill_while_the_file_is_being_written_leaves_the_previous_checkpoint(tmp_path) -> None:
+    """The same guarantee at the file level: a real process killed while its bytes are going out."""
+    ckpt = tmp_path / "ckpt"
+    for size in (50_000_000, 150_000_000, 300_000_000):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(ckpt), str(size)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "first"
+            deadline = time.monotonic() + 60
+            caught = False
+            while proc.poll() is None and time.monotonic() < deadline:
+                tmps = list(ckpt.glob(".tmp-ckpt-*"))
+                if tmps and tmps[0].stat().st_size > 0:
+                    proc.send_signal(signal.SIGKILL)
+                    caught = True
+                    break
+                time.sleep(0.001)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        store = sparkdl.CheckpointStore(str(ckpt))
+        if caught:
+            assert store.sequence_numbers() == [1]
+            assert store.load()["global_step"] == 1
+            assert list(ckpt.glob(".tmp-ckpt-*")), "expected the partial file of the killed write"
+            store.save({"global_step": 2})
+            assert store.sequence_numbers() == [1, 2] and not list(ckpt.glob(".tmp-ckpt-*"))
+            return
+        for path in ckpt.iterdir():
+            path.unlink()
+    pytest.fail("the write always finished before it could be killed; raise the sizes")
+
+
+def test_attempts_used_up_report_names_every_root_cause(spark, dataset, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    fault = {"how": "raise_later", "rank": 1, "step": 4, "every_attempt": True}
+    with pytest.raises(sparkdl.RunFailedError) as info:
+        sparkdl.run(train, dataset, fault, num_workers=2, max_attempts=3, config=CFG,
+                    checkpoint_dir=str(tmp_path / "ckpt"))
+    report = str(info.value)
+    assert info.value.attempts == 3
+    for attempt in range(3):
+        assert f"Attempt {attempt}:" in report
+    # Each attempt got further (it saved checkpoints), so each was worth its rerun.
+    assert "flaky failure at step 4" in report and "flaky failure at step 8" in report
+    assert "flaky failure at step 12" in report
+    assert "Root cause: attempt 0, rank 1" in report
+    _assert_checkpoints_loadable(tmp_path / "ckpt")
+
+
+def typo(ds: sparkdl.Dataset) -> None:
+    sparkdl.context()
+    len(5)  # type: ignore[arg-type]
+
+
+def test_a_bug_that_fails_every_rank_the_same_way_does_not_burn_every_attempt(spark, dataset, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    with pytest.raises(sparkdl.RunFailedError) as info:
+        sparkdl.run(typo, dataset, num_workers=2, max_attempts=4, config=CFG)
+    assert info.value.attempts == 1
+    assert "every rank raised the same TypeError" in str(info.value)
+    assert "stop_on_repeated_error" in str(info.value)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.cluster
+def test_losing_the_executor_of_a_rank_reschedules_the_gang(spark_session, dataset, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import _listeners_outside_jvm, wait_no_leaks
+
+    spark_session("local-cluster[2,1,1024]", {"spark.executor.memory": "512m"})
+    before = _listeners_outside_jvm()
+    fault = {"how": "kill_executor", "rank": 1, "step": 7}
+    out = sparkdl.run(train, dataset, fault, num_workers=2, max_attempts=3, config=CFG,
+                      checkpoint_dir=str(tmp_path / "ckpt"))
+    assert out["attempt"] >= 1 and out["restored_from"] is not None
+    _assert_same_weights(out["weights"], reference["weights"])
+    wait_no_leaks(before)
