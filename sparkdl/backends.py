@@ -131,28 +131,69 @@ def _install_init_hook(default_timeout: timedelta) -> None:
 
 
 class HorovodBackend:
-    """Horovod with its Gloo controller."""
+    """Horovod with its Gloo controller, set up the way ``horovodrun --gloo`` would.
+
+    Rank 0 serves Horovod's rendezvous store on the socket the launcher bound to its task's own
+    address (the store has no authentication, so it never listens on every interface, and it
+    lives only as long as the rank). Every rank gets the ``HOROVOD_*`` environment, so user
+    code calls ``hvd.init()``, ``hvd.DistributedOptimizer`` and ``hvd.broadcast_parameters``
+    unchanged.
+    """
 
     name = "horovod"
 
+    def __init__(self) -> None:
+        self._stop_server: Any = None
+
     def check_driver(self) -> None:
-        try:
-            import horovod.torch  # noqa: F401
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"backend='horovod' needs Horovod built with PyTorch and Gloo, but it cannot be "
-                f"imported here ({exc}). Install it after torch with HOROVOD_WITH_PYTORCH=1 "
-                "HOROVOD_WITH_GLOO=1 pip install --no-build-isolation horovod, or choose backend='torch'"
-            ) from exc
-        raise BackendUnavailableError(
-            "backend='horovod' is not available in this version of sparkdl yet; use backend='torch'"
-        )
+        from sparkdl._horovod import check_horovod
+
+        check_horovod()
 
     def setup_rank(self) -> None:
-        raise BackendUnavailableError("backend='horovod' is not available in this version of sparkdl")
+        import socket
+
+        import torch
+
+        from sparkdl._horovod import horovod_env, start_rendezvous_server
+
+        env = os.environ
+        rank = int(env["RANK"])
+        hosts = env["SPARKDL_HOSTS"].split(",")
+        gpu_ids = env.get("SPARKDL_GPU_IDS", "")
+        use_cuda = bool(gpu_ids) and torch.cuda.is_available()
+        env["SPARKDL_USE_CUDA"] = "1" if use_cuda else "0"
+        if use_cuda:
+            torch.cuda.set_device(0)
+        isolated = bool(gpu_ids)
+        port = int(env["MASTER_PORT"])
+        if rank == 0:
+            listener = socket.socket(fileno=int(env["SPARKDL_STORE_FD"]))
+            port, self._stop_server = start_rendezvous_server(
+                env["MASTER_ADDR"], hosts, listener=listener, isolated_devices=isolated
+            )
+        env.update(
+            horovod_env(
+                rank,
+                hosts,
+                env["MASTER_ADDR"],
+                port,
+                env.get("GLOO_SOCKET_IFNAME"),
+                timeout_s=float(env["SPARKDL_COLLECTIVE_TIMEOUT_S"]),
+                isolated_devices=isolated,
+            )
+        )
 
     def teardown_rank(self) -> None:
-        return None
+        try:
+            import horovod.torch as hvd
+
+            if hvd.is_initialized():
+                hvd.shutdown()
+        finally:
+            if self._stop_server is not None:
+                self._stop_server()
+                self._stop_server = None
 
 
 BACKENDS = ("torch", "horovod")

@@ -343,4 +343,5 @@ def _gang_env(
         "SPARKDL_LOCAL_RANK": str(local_rank),
         "SPARKDL_LOCAL_WORLD_SIZE": str(local_world),
         "SPARKDL_ATTEMPT": str(attempt),
+        "SPARKDL_HOSTS": ",".join(hosts),
     }
