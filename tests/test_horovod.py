@@ -29,13 +29,19 @@ def _data(rank: int) -> tuple[Any, Any]:
     return x, y
 
 
-def train_horovod(fail_rank: int | None = None) -> dict[str, Any]:
+def train_horovod(fail_rank: int | None = None, how: str = "raise") -> dict[str, Any]:
     # Written exactly as for horovodrun: hvd.init, broadcast_parameters, DistributedOptimizer.
     import horovod.torch as hvd
     import torch
 
     hvd.init()
     if fail_rank is not None and hvd.rank() == fail_rank and sparkdl.context().attempt == 0:
+        if how == "sigkill":
+            os.kill(os.getpid(), 9)
+        if how == "hang":
+            import time
+
+            time.sleep(3600)
         raise RuntimeError("injected failure under horovod")
     torch.manual_seed(hvd.rank())  # different on purpose: broadcast_parameters must fix it
     model = torch.nn.Linear(5, 1)
@@ -93,6 +99,18 @@ def test_horovod_and_ddp_converge_to_the_same_weights(spark, no_leaks) -> None: 
 
 
 @pytest.mark.fault
-def test_a_failed_horovod_rank_reruns_the_gang(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
-    out = sparkdl.run(train_horovod, 1, num_workers=2, backend="horovod", max_attempts=2, config=CFG)
+@pytest.mark.parametrize("how", ["raise", "sigkill"])
+def test_a_failed_horovod_rank_reruns_the_gang(spark, no_leaks, how: str) -> None:  # type: ignore[no-untyped-def]
+    out = sparkdl.run(train_horovod, 1, how, num_workers=2, backend="horovod", max_attempts=2, config=CFG)
     assert out["attempt"] == 1 and out["replicas_equal"]
+
+
+@pytest.mark.fault
+def test_a_hanging_horovod_rank_is_stopped_by_timeout_s(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    # Horovod's collectives have no timeout of their own: the run's timeout_s is the bound.
+    start = time.monotonic()
+    with pytest.raises(sparkdl.RunTimeoutError, match="timeout_s"):
+        sparkdl.run(train_horovod, 1, "hang", num_workers=2, backend="horovod", config=CFG.replace(timeout_s=8.0))
+    assert time.monotonic() - start < 60
