@@ -1,6 +1,7 @@
 """sparkdl: distributed PyTorch training and inference inside Apache Spark."""
 
 from sparkdl.checkpoint import CheckpointStore, TrainState
+from sparkdl.compat import HorovodRunner, TorchDistributor
 from sparkdl.config import RunConfig
 from sparkdl.context import RunContext, context
 from sparkdl.dataset import Dataset, write_dataset
@@ -22,6 +23,7 @@ __all__ = [
     "ConfigError",
     "Dataset",
     "DatasetError",
+    "HorovodRunner",
     "InsufficientSlotsError",
     "NotInRunError",
     "RunConfig",
@@ -29,6 +31,7 @@ __all__ = [
     "RunFailedError",
     "RunTimeoutError",
     "SparkDLError",
+    "TorchDistributor",
     "TrainState",
     "context",
     "run",

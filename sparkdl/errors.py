@@ -66,3 +66,8 @@ def _rebuild_run_timeout(report: str, attempts: int, root_cause: str) -> RunTime
 
 class NotInRunError(SparkDLError, RuntimeError):
     """``sparkdl.context()`` was called outside of a function launched by ``sparkdl.run``."""
+
+
+class DatasetError(SparkDLError):
+    """Data cannot be read or written as asked: an unreachable URL, missing or inconsistent files,
+    or values that cannot become tensors (nulls, arrays of another length than recorded)."""
