@@ -15,7 +15,8 @@ from sparkdl.errors import (
     RunTimeoutError,
     SparkDLError,
 )
-from sparkdl.launch import run
+from sparkdl.launch import launch, run
+from sparkdl.metrics import RunResult
 
 __all__ = [
     "BackendUnavailableError",
@@ -29,11 +30,13 @@ __all__ = [
     "RunConfig",
     "RunContext",
     "RunFailedError",
+    "RunResult",
     "RunTimeoutError",
     "SparkDLError",
     "TorchDistributor",
     "TrainState",
     "context",
+    "launch",
     "run",
     "write_dataset",
 ]

@@ -216,13 +216,26 @@ class TrainState:
         """Yields the remaining batches of ``epochs`` epochs, checkpointing as it goes."""
         if save_every is not None and (isinstance(save_every, bool) or save_every < 1):
             raise ConfigError(f"save_every must be an integer >= 1 or None; got {save_every!r}")
+        import time
+
+        from sparkdl.context import context
+
+        ctx = context()
         self.restore()
+        last_report = 0.0
         while self.loader.epoch < epochs:
             epoch = self.loader.epoch
             for batch in self.loader:
                 yield batch
                 # Control is back: the caller finished its step on this batch.
                 self.global_step += 1
+                if ctx.rank == 0 and time.monotonic() - last_report >= 1.0:
+                    # Feeds the driver's progress line without the caller doing anything.
+                    last_report = time.monotonic()
+                    ctx.log_metrics(
+                        {"epoch": epoch, "epoch_step": self.loader.step, "steps_per_epoch": len(self.loader)},
+                        step=self.global_step,
+                    )
                 if save_every and self.global_step % save_every == 0 and self.loader.step < len(self.loader):
                     self.save()
             if self.loader.epoch == epoch:  # an interrupted pass: the loader stays in its epoch

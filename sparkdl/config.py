@@ -51,6 +51,9 @@ class RunConfig:
         init_process_group: create the default torch process group before calling ``fn``.
         echo_logs: print every rank's output on the driver, tagged with its rank.
         keep_checkpoints: complete checkpoints kept in the checkpoint directory.
+        progress: show a live progress line on the driver (epoch, step, throughput, loss) from
+            rank 0's metrics.
+        progress_interval_s: least time between two progress lines.
         stop_on_repeated_error: stop before ``max_attempts`` when a rerun cannot help (see
             :func:`sparkdl._report.decide`).
     """
@@ -67,6 +70,8 @@ class RunConfig:
     echo_logs: bool = True
     keep_checkpoints: int = 3
     stop_on_repeated_error: bool = True
+    progress: bool = True
+    progress_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_attempts is not None and (
@@ -84,6 +89,7 @@ class RunConfig:
             "collective_timeout_s",
             "connect_timeout_s",
             "kill_grace_s",
+            "progress_interval_s",
         ):
             _check_positive(name, getattr(self, name))
         if isinstance(self.log_tail_lines, bool) or not isinstance(self.log_tail_lines, int) or (

@@ -6,11 +6,14 @@ user's code starts. That keeps it correct in threads and in DataLoader worker pr
 
 from __future__ import annotations
 
+import json
 import os
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sparkdl.errors import NotInRunError
+from sparkdl.errors import ConfigError, NotInRunError
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +21,7 @@ if TYPE_CHECKING:
     from sparkdl.checkpoint import CheckpointStore
 
 ENV_PREFIX = "SPARKDL_"
+_PIPE_ATOMIC_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,47 @@ class RunContext:
 
             store = CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep)
         return store.load()
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Sends ``metrics`` (names to numbers or short strings) to the driver, tagged with this rank.
+
+        The driver keeps them (``sparkdl.launch(...).metrics``, a JSON-lines file in the run's
+        directory) and shows them in its progress line. Keys ``epoch``, ``step`` and ``loss``
+        feed the progress line. 0-d tensors and numpy scalars are converted to numbers.
+
+        Example::
+
+            ctx.log_metrics({"loss": loss.item(), "epoch": epoch}, step=global_step)
+        """
+        record: dict[str, Any] = {"time": time.time(), "rank": self.rank, "attempt": self.attempt}
+        if step is not None:
+            record["step"] = int(step)
+        for key, value in metrics.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"log_metrics: metric names must be strings; got {key!r}")
+            if hasattr(value, "item"):
+                value = value.item()
+            if not isinstance(value, (int, float, str, bool)) or (isinstance(value, str) and len(value) > 200):
+                raise ConfigError(
+                    f"log_metrics: metric {key!r} must be a number or a string of at most 200 characters; "
+                    f"got {type(value).__name__}"
+                )
+            record[key] = value
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        if len(line) > _PIPE_ATOMIC_BYTES:
+            raise ConfigError(
+                f"log_metrics: one call may send at most {_PIPE_ATOMIC_BYTES} bytes of JSON; "
+                "split the metrics over several calls"
+            )
+        fd = os.environ.get(ENV_PREFIX + "METRICS_FD")
+        try:
+            if fd is None:
+                raise OSError
+            # One write of at most PIPE_BUF bytes is atomic: threads and processes never interleave.
+            os.write(int(fd), line)
+        except OSError:
+            # No driver to send to (the driver-local launcher): keep the metrics in the output.
+            print(f"sparkdl metrics {line.decode().strip()}", flush=True)
 
     @property
     def is_chief(self) -> bool:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkdl._channel import ChannelServer, FramedConnection, Message
@@ -30,6 +31,7 @@ from sparkdl.errors import (
     RunTimeoutError,
     SparkDLError,
 )
+from sparkdl.metrics import MetricsLog, Progress, RunResult
 from sparkdl.worker import TaskPayload, task_main
 
 if TYPE_CHECKING:
@@ -55,6 +57,52 @@ def run(
 ) -> T:
     """Runs ``fn(*args, **kwargs)`` on ``num_workers`` gang-scheduled Spark tasks; returns rank 0's value.
 
+    The same as ``launch(...).value``; see :func:`launch` for everything else.
+
+    Example::
+
+        def train(lr):
+            ctx = sparkdl.context()
+            model = DDP(Net().to(ctx.device))
+            ...
+            return model.module.state_dict()
+
+        state = sparkdl.run(train, 0.1, num_workers=2)
+    """
+    result: RunResult = launch(
+        fn,
+        *args,
+        num_workers=num_workers,
+        backend=backend,
+        use_gpu=use_gpu,
+        max_attempts=max_attempts,
+        config=config,
+        spark=spark,
+        checkpoint_dir=checkpoint_dir,
+        **kwargs,
+    )
+    value: T = result.value
+    return value
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    num_workers: int,
+    backend: str = "torch",
+    use_gpu: bool | None = None,
+    max_attempts: int | None = None,
+    config: RunConfig | None = None,
+    spark: SparkSession | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> RunResult:
+    """Runs ``fn(*args, **kwargs)`` on ``num_workers`` gang-scheduled Spark tasks.
+
+    Returns a :class:`RunResult`: rank 0's return value (``.value``), the metrics the ranks sent
+    with ``context().log_metrics`` (``.metrics``, ``.plot()``), the run's directory and the
+    number of attempts. :func:`run` returns just the value.
+
     Each rank runs in a process of its own with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set and, with the torch backend, the
     default process group already created (``dist.init_process_group()`` in ``fn`` is accepted
@@ -69,7 +117,8 @@ def run(
             ...
             return model.module.state_dict()
 
-        state = sparkdl.run(train, 0.1, num_workers=2)
+        result = sparkdl.launch(train, 0.1, num_workers=2)
+        state, history = result.value, result.metrics
 
     Args:
         fn: the function each rank runs. It and its arguments are cloudpickled; they must not
@@ -113,9 +162,41 @@ def run(
     attempts_allowed = cfg.max_attempts if cfg.max_attempts is not None else stage_attempts
 
     run_id = secrets.token_hex(6)
+    run_dir = _run_dir(sc, run_id)
+    store = CheckpointStore(checkpoint_dir or f"{run_dir}/checkpoints", keep=cfg.keep_checkpoints)
+    metrics = MetricsLog(_local_metrics_path(run_dir, run_id))
+    progress = Progress(cfg.progress_interval_s, cfg.progress)
+    monitor = _Monitor(num_workers, attempts_allowed, cfg, store, metrics, progress)
+    try:
+        value = _launch(session, monitor, cfg, backend, gpu, run_id, fn_bytes, store, num_workers, attempts_allowed)
+    finally:
+        metrics.close()
+        progress.finish()
+    return RunResult(
+        value=value,
+        run_id=run_id,
+        run_dir=run_dir,
+        checkpoint_dir=store.url,
+        attempts=monitor.attempts_seen(),
+        records=metrics.records,
+        metrics_path=str(metrics.path) if metrics.path else None,
+    )
+
+
+def _launch(
+    session: SparkSession,
+    monitor: _Monitor,
+    cfg: RunConfig,
+    backend: str,
+    gpu: bool,
+    run_id: str,
+    fn_bytes: bytes,
+    store: CheckpointStore,
+    num_workers: int,
+    attempts_allowed: int,
+) -> Any:
+    sc = session.sparkContext
     secret = secrets.token_bytes(32)
-    store = _checkpoint_store(sc, run_id, checkpoint_dir, cfg)
-    monitor = _Monitor(num_workers, attempts_allowed, cfg, store)
     with ChannelServer(_driver_bind_host(sc), secret, monitor.on_message, monitor.on_close) as server:
         base_payload = TaskPayload(
             run_id=run_id,
@@ -140,8 +221,7 @@ def run(
             if outcome.result is not None:
                 import cloudpickle
 
-                value: T = cloudpickle.loads(outcome.result)
-                return value
+                return cloudpickle.loads(outcome.result)
             used = monitor.attempts_seen()
             # A new Spark job continues the count when Spark's own stage retries ran out first.
             if outcome.stop_reason is None and monitor.any_rank_started() and used < attempts_allowed:
@@ -149,15 +229,24 @@ def run(
             raise _failure(monitor, outcome, attempts_allowed, cfg)
 
 
-def _checkpoint_store(
-    sc: Any, run_id: str, checkpoint_dir: str | os.PathLike[str] | None, cfg: RunConfig
-) -> CheckpointStore:
+def _run_dir(sc: Any, run_id: str) -> str:
     import tempfile
 
-    if checkpoint_dir is None:
-        runs = sc.getConf().get("spark.sparkdl.runDir", None) or os.path.join(tempfile.gettempdir(), "sparkdl-runs")
-        checkpoint_dir = f"{runs.rstrip('/')}/{run_id}/checkpoints"
-    return CheckpointStore(checkpoint_dir, keep=cfg.keep_checkpoints)
+    runs = sc.getConf().get("spark.sparkdl.runDir", None) or os.path.join(tempfile.gettempdir(), "sparkdl-runs")
+    return f"{runs.rstrip('/')}/{run_id}"
+
+
+def _local_metrics_path(run_dir: str, run_id: str) -> Path:
+    """The metrics file: in the run's directory when that is local, else in a local one."""
+    import tempfile
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(run_dir)
+    if len(parts.scheme) <= 1:
+        return Path(run_dir) / "metrics.jsonl"
+    if parts.scheme == "file":
+        return Path(parts.path) / "metrics.jsonl"
+    return Path(tempfile.gettempdir()) / "sparkdl-runs" / run_id / "metrics.jsonl"
 
 
 def _pickle_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
@@ -300,8 +389,18 @@ class _Outcome:
 class _Monitor:
     """What the driver knows about every rank of every attempt; fed by the channel's threads."""
 
-    def __init__(self, num_workers: int, max_attempts: int, cfg: RunConfig, store: CheckpointStore) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        max_attempts: int,
+        cfg: RunConfig,
+        store: CheckpointStore,
+        metrics: MetricsLog,
+        progress: Progress,
+    ) -> None:
         self.store = store
+        self.metrics = metrics
+        self.progress = progress
         self._start_seq: dict[int, int | None] = {}
         self._settled: set[int] = set()
         self.num_workers = num_workers
@@ -330,6 +429,12 @@ class _Monitor:
         kind = msg.get("t")
         if kind == "log":
             self._on_log((int(msg["a"]), int(msg["r"])), msg)
+            return
+        if kind == "metric" and isinstance(msg.get("m"), dict):
+            # The frame's rank and attempt are the task's; the record cannot claim others.
+            record = {**msg["m"], "rank": int(msg["r"]), "attempt": int(msg["a"])}
+            self.metrics.add(record)
+            self.progress.update(record)
             return
         with self.cond:
             if kind == "hello":

@@ -104,6 +104,14 @@ class _Relay:
             line = raw.decode("utf-8", errors="replace")
             if line.endswith("\n"):
                 line = line[:-1]
+            if self._kind == "m":
+                # One JSON object a line, written by context().log_metrics in the rank.
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                self._link.send({"t": "metric", "m": record})
+                continue
             self._tail.append(line)
             # Very long lines travel in pieces that the driver joins back into one line.
             pieces = [line[i : i + _LOG_PIECE_CHARS] for i in range(0, len(line), _LOG_PIECE_CHARS)] or [""]
@@ -143,10 +151,12 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         # executor that import, not Spark, is the longest step of a launch.
         lifeline_r, lifeline_w = os.pipe()
         control_r, control_w = os.pipe()
+        metrics_r, metrics_w = os.pipe()
         env = _base_env(payload, rank, host, gpu_ids)
         env["SPARKDL_LIFELINE_FD"] = str(lifeline_r)
         env["SPARKDL_CONTROL_FD"] = str(control_r)
-        pass_fds = [lifeline_r, control_r]
+        env["SPARKDL_METRICS_FD"] = str(metrics_w)
+        pass_fds = [lifeline_r, control_r, metrics_w]
         if listener is not None:
             pass_fds.append(listener.fileno())
             env["SPARKDL_STORE_FD"] = str(listener.fileno())
@@ -161,11 +171,13 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         )
         os.close(lifeline_r)
         os.close(control_r)
+        os.close(metrics_w)
         tail: deque[str] = deque(maxlen=max(payload.log_tail_lines, 1))
         assert proc.stdout is not None and proc.stderr is not None
         relays = [
             _Relay(proc.stdout, "o", link, tail, sys.stdout),
             _Relay(proc.stderr, "e", link, tail, sys.stderr),
+            _Relay(os.fdopen(metrics_r, "rb"), "m", link, tail, sys.stderr),
         ]
 
         tid = ctx.taskAttemptId()

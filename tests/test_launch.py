@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -269,3 +270,33 @@ def test_every_listener_of_a_run_is_on_loopback(spark, no_leaks) -> None:  # typ
     assert driver_listeners, "the driver's channel must have been seen listening"
     for ip, _ in [*rank0, *driver_listeners]:
         assert ip == "127.0.0.1", f"listener on {ip}, not loopback"
+
+
+def logs_metrics(steps: int) -> str:
+    import time
+
+    ctx = sparkdl.context()
+    for step in range(steps):
+        ctx.log_metrics({"loss": 1.0 / (step + 1), "epoch": 0, "steps_per_epoch": steps}, step=step)
+        time.sleep(0.02)
+    return "done"
+
+
+def test_metrics_reach_the_driver_with_progress_and_a_file(spark, capfd, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    cfg = FAST.replace(progress_interval_s=0.05)
+    result = sparkdl.launch(logs_metrics, 20, num_workers=2, config=cfg)
+    assert result.value == "done" and result.attempts == 1
+    frame = result.metrics
+    assert sorted(frame.groupby("rank").size().to_dict().items()) == [(0, 20), (1, 20)]
+    rank0 = frame[frame["rank"] == 0].sort_values("step")
+    assert rank0["loss"].tolist() == [1.0 / (s + 1) for s in range(20)]
+    assert set(frame["attempt"]) == {0}
+    assert result.metrics_path is not None
+    lines = Path(result.metrics_path).read_text().splitlines()
+    assert len(lines) == 40 and json.loads(lines[0])["rank"] in (0, 1)
+    err = capfd.readouterr().err
+    assert "sparkdl progress: attempt 0 | epoch 0 | step " in err and "loss " in err
+    with pytest.raises(sparkdl.ConfigError, match="metric 'bad'"):
+        sparkdl.RunContext(0, 1, 0, 1, 0, "x", "h", "torch", (), False).log_metrics({"bad": [1, 2]})
