@@ -142,18 +142,27 @@ def _wait(
     cloudpickle: Any,
 ) -> Any:
     started = time.monotonic()
+    exited_at: dict[int, float] = {}
+
+    def watch(rank: int, proc: subprocess.Popen[bytes]) -> None:
+        proc.wait()
+        # The exit time itself, not when the loop below notices: the root cause is the first to exit.
+        exited_at[rank] = time.monotonic()
+
+    for rank, proc in enumerate(procs):
+        threading.Thread(target=watch, args=(rank, proc), daemon=True).start()
     while True:
         failed = False
         for rank, proc in enumerate(procs):
-            code = proc.poll()
             rec = records[rank]
-            if code is None or rec.state != "running":
+            if rank not in exited_at or rec.state != "running":
                 continue
+            code = proc.returncode
             if code == 0:
                 rec.state = "succeeded"
                 continue
             rec.state = "failed"
-            rec.failed_at = time.monotonic()
+            rec.failed_at = exited_at[rank]
             rec.signal, rec.exit_code = (-code, None) if code < 0 else (None, code)
             rec.error, rec.traceback = _read_error(root / f"rank-{rank}")
             failed = True
