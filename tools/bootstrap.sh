@@ -10,7 +10,7 @@
 #   SPARKDL_STACK          modern (default) or classic: the exact versions are in constraints/<stack>.txt
 #   SPARKDL_VENV           the venv to create or reuse (default: .venv for modern, .venv-<stack> otherwise)
 #   SPARKDL_WITH_HOROVOD   1: also install Horovod with PyTorch and Gloo (compiled once, ~3 min, then cached
-#                          in SPARKDL_WHEEL_CACHE, default .cache/wheels); default 0
+#                          in SPARKDL_WHEEL_CACHE, default ~/.cache/sparkdl/wheels); default 0
 #   SPARKDL_TORCH          torch requirement to install first (default: torch==2.13.0, the CPU build here)
 #   SPARKDL_TORCH_INDEX    a wheel index for torch, e.g. https://download.pytorch.org/whl/cu126 for a CUDA build
 #   SPARKDL_PYTHON         the Python interpreter that creates the venv (default: python3)

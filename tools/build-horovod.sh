@@ -14,7 +14,8 @@
 # Settings (environment variables):
 #   SPARKDL_STACK          which constraints/<stack>.txt pins Horovod and its dependencies (default: the
 #                          stack tools/bootstrap.sh recorded in the venv, else modern)
-#   SPARKDL_WHEEL_CACHE    where built wheels are kept (default: .cache/wheels at the repository root)
+#   SPARKDL_WHEEL_CACHE    where built wheels are kept (default: ~/.cache/sparkdl/wheels, shared by every
+#                          checkout on the machine, so a fresh clone does not rebuild)
 #   SPARKDL_BUILD_JOBS     parallel compile jobs (default: the number of CPUs)
 #   HOROVOD_GPU_OPERATIONS passed to Horovod's build (e.g. NCCL, for a CUDA torch); part of the cache key
 set -euo pipefail
@@ -25,7 +26,7 @@ VENV="$(realpath -m "${1:-${SPARKDL_VENV:-$ROOT/.venv}}")"
 VENV_STACK="$(cat "$VENV/.sparkdl-stack" 2>/dev/null || echo modern)"
 STACK="${SPARKDL_STACK:-$VENV_STACK}"
 CONSTRAINTS="$ROOT/constraints/$STACK.txt"
-CACHE="${SPARKDL_WHEEL_CACHE:-$ROOT/.cache/wheels}"
+CACHE="${SPARKDL_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sparkdl/wheels}"
 JOBS="${SPARKDL_BUILD_JOBS:-$(nproc)}"
 GPU_OPS="${HOROVOD_GPU_OPERATIONS:-}"
 # Bump when the build flags below change, so that wheels built the old way are not reused.
