@@ -703,6 +703,16 @@ def write_dataset(
         isinstance(row_group_rows, bool) or not isinstance(row_group_rows, int) or row_group_rows < 1
     ):
         raise ConfigError(f"row_group_rows={row_group_rows!r}: give an integer >= 1, or None for no row limit")
+    if row_group_rows is not None:
+        import pyspark
+
+        if int(pyspark.__version__.split(".")[0]) < 4:
+            # Spark 3.5 ships parquet-mr 1.13, which ignores parquet.block.row.count.limit.
+            raise ConfigError(
+                f"row_group_rows={row_group_rows} needs Spark 4 (its Parquet writer caps row groups by "
+                f"row count; pyspark {pyspark.__version__} would silently ignore it); size row groups "
+                "with row_group_bytes instead"
+            )
     spark = df.sparkSession
     if num_files is None:
         num_files = _default_parallelism(spark)

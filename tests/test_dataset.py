@@ -145,6 +145,12 @@ def test_manifest_records_files_row_groups_and_counts(written: Dataset) -> None:
 
 
 def test_row_group_rows_caps_row_groups(spark: Any, tmp_path: Path) -> None:
+    import pyspark
+
+    if int(pyspark.__version__.split(".")[0]) < 4:
+        with pytest.raises(ConfigError, match="row_group_rows=30 needs Spark 4"):
+            sparkdl.write_dataset(spark.range(100), tmp_path / "rg", num_files=1, row_group_rows=30)
+        return
     ds = sparkdl.write_dataset(spark.range(100), tmp_path / "rg", num_files=1, row_group_rows=30)
     assert [f.row_groups for f in ds.manifest.files] == [(30, 30, 30, 10)]
     with pytest.raises(ConfigError, match="row_group_rows=0"):

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.spark
 def written(spark, tmp_path_factory):  # type: ignore[no-untyped-def]
     rows = [(i, [float(i), float(-i), 0.5], i % 3) for i in range(403)]  # 403: uneven on purpose
     df = spark.createDataFrame(rows, "id long, x array<float>, label int")
-    return sparkdl.write_dataset(df, str(tmp_path_factory.mktemp("peta") / "ds"), num_files=3, row_group_rows=50)
+    return sparkdl.write_dataset(df, str(tmp_path_factory.mktemp("peta") / "ds"), num_files=3, row_group_bytes=1024)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
