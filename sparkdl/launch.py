@@ -273,6 +273,9 @@ def _resolve_session(spark: SparkSession | None, num_workers: int) -> SparkSessi
         )
     session = spark or active
     if session is None:
+        # PySpark takes its workers' Python from PYSPARK_PYTHON, not from a builder conf: without
+        # it, executors would run whatever "python3" is first on PATH, without torch or sparkdl.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         cores = max(num_workers, os.cpu_count() or 1)
         session = (
             SparkSession.builder.master(f"local[{cores}]")

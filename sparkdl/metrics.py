@@ -99,10 +99,12 @@ class Progress:
             try:
                 from IPython.display import display
 
+                # Raw text/plain, so the notebook shows the line itself, not a quoted str.
+                bundle = {"text/plain": text}
                 if self._handle is None:
-                    self._handle = display(text, display_id=True)
+                    self._handle = display(bundle, raw=True, display_id=True)
                 else:
-                    self._handle.update(text)
+                    self._handle.update(bundle, raw=True)
                 return
             except Exception:
                 pass
