@@ -1,54 +1,67 @@
-"""Distributed training job: ETL of a real dataset into Parquet with Spark, then DDP training on N
-gang-scheduled Spark workers with sparkdl, then evaluation of the returned model on held-out rows.
+"""Training job: DDP on N gang-scheduled Spark workers from a sparkdl dataset, then a held-out
+evaluation with distributed inference, and the model saved as a Spark ML ``sparkdl.TorchModel``.
 
 The data is scikit-learn's digits (1,797 8x8 images of 10 classes), which ships with the package.
+When DATA holds no dataset yet, this job runs the ETL job (jobs/etl.py) into it first, so that
+``python jobs/train.py`` alone goes from nothing to a trained, evaluated and saved model.
 
     python jobs/train.py                                 # embedded local Spark, 2 workers
-    spark-submit --master spark://host:7077 jobs/train.py --num-workers 4
+    spark-submit --master spark://host:7077 jobs/train.py --data hdfs:///digits --model hdfs:///models/digits
     python jobs/train.py --help
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
-import tempfile
 import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+import _common
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+EPILOG = """\
+inputs:
+  DATA/train   a sparkdl dataset with columns features (array<float>[64]) and label (jobs/etl.py)
+  DATA/test    a Parquet table of held-out rows, same columns
+outputs:
+  MODEL                 the trained model as a Spark ML model (sparkdl.TorchModel.load(MODEL))
+  MODEL/summary.json    accuracy, per-epoch loss, timings (local paths only)
+  MODEL/metrics.jsonl   every metric the ranks logged (local paths only)
+
+exit status: 0, or 1 when the held-out accuracy is below --min-accuracy.
+"""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Train an MLP on the digits dataset with sparkdl (ETL to Parquet, DDP on N Spark workers).",
-    )
-    p.add_argument("--master", default=None, help="Spark master when not run by spark-submit (default local[N])")
-    p.add_argument("--num-workers", type=int, default=2, help="ranks, one Spark task slot each (default 2)")
-    p.add_argument("--epochs", type=int, default=8, help="passes over the training rows (default 8)")
-    p.add_argument("--batch-size", type=int, default=32, help="rows per batch and rank (default 32)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split, the model and the shuffle")
-    p.add_argument("--out", default=None, help="run directory for the dataset and the model (default: a temp dir)")
-    p.add_argument("--min-accuracy", type=float, default=0.9, help="fail (exit 1) below this held-out accuracy")
-    return p.parse_args(argv)
+def parse_args(argv: Sequence[str] | None = None) -> Any:
+    p = _common.job_parser("train", "Trains an MLP on the digits dataset with sparkdl (DDP on N Spark workers).", EPILOG)
+    p.add_argument("--data", default=None, help="dataset directory written by jobs/etl.py (run first when missing)")
+    p.add_argument("--model", default=None, help="where to save the trained model (directory or URL)")
+    p.add_argument("--epochs", type=int, default=8, help="passes over the training rows (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="rows per batch and rank (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffle (default: %(default)s)")
+    p.add_argument("--max-attempts", type=int, default=None, help="runs of the gang allowed (default: Spark's stage retries)")
+    p.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this held-out accuracy (default: %(default)s)")
+    args = _common.parse_job_args(p, "train", argv)
+    for name in ("data", "model"):
+        if not getattr(args, name):
+            p.error(f"--{name} is required (or sparkdl.jobs.{name} in the defaults file)")
+    return args
 
 
 def make_model() -> Any:
     import torch
 
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
 
 
 def train(ds: Any, epochs: int, batch_size: int, lr: float, seed: int) -> dict[str, Any]:
-    """Runs on every rank: DDP over this rank's shard of the Parquet dataset."""
+    """Runs on every rank: DDP over this rank's shard, resumable, logging its loss every step."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import sparkdl
@@ -58,78 +71,104 @@ def train(ds: Any, epochs: int, batch_size: int, lr: float, seed: int) -> dict[s
     model = DDP(make_model().to(ctx.device))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     loader = ds.loader(batch_size, seed=seed, columns=["features", "label"], drop_last=True)
-    losses = []
-    for epoch in range(epochs):
-        loader.set_epoch(epoch)
-        total = torch.zeros(2)
-        for batch in loader:
-            x = batch["features"].to(ctx.device)
-            y = batch["label"].long().to(ctx.device)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += torch.tensor([loss.item() * len(y), len(y)])
-        dist.all_reduce(total)
-        mean = (total[0] / total[1]).item()
-        losses.append(mean)
-        if ctx.rank == 0:
-            print(f"epoch {epoch}: loss {mean:.4f} over {int(total[1])} rows, {len(loader)} steps per rank")
-    return {"state_dict": model.module.state_dict(), "losses": losses}
+    # TrainState checkpoints at the end of every epoch: after a rerun of the gang (a lost
+    # executor, a failed rank) training resumes there instead of starting over.
+    state = sparkdl.TrainState(model, opt, loader)
+    for batch in state.batches(epochs):
+        x = batch["features"].to(ctx.device)
+        y = batch["label"].long().to(ctx.device)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.log_metrics(
+            {"loss": loss.item(), "epoch": loader.epoch, "epoch_step": loader.step, "steps_per_epoch": len(loader)},
+            step=state.global_step + 1,
+        )
+    return {"state_dict": model.module.state_dict(), "steps_per_epoch": len(loader)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import numpy as np
-    import torch
-    from pyspark import SparkConf
-    from pyspark.sql import SparkSession
-    from sklearn.datasets import load_digits
-
+def has_dataset(data: str) -> bool:
     import sparkdl
 
-    builder = SparkSession.builder.appName("sparkdl-train-digits")
-    if not SparkConf().contains("spark.master"):
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        builder = (
-            builder.master(args.master or f"local[{args.num_workers}]")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.driver.host", os.environ["SPARK_LOCAL_IP"])
-            .config("spark.driver.bindAddress", os.environ["SPARK_LOCAL_IP"])
+    try:
+        sparkdl.Dataset(f"{data}/train")
+    except sparkdl.SparkDLError:
+        return False
+    return True
+
+
+def evaluate(spark: SparkSession, model: Any, test_path: str) -> tuple[float, int]:
+    """Accuracy on the test table, scored by the executors (the model's batched Arrow UDF)."""
+    from pyspark.sql import functions as F
+
+    scored = model.transform(spark.read.parquet(test_path))
+    row = scored.agg(F.avg((F.col("prediction") == F.col("label")).cast("double")).alias("acc"), F.count("*").alias("n")).first()
+    return float(row["acc"]), int(row["n"])
+
+
+def write_text(url: str, text: str) -> None:
+    """A small file next to the model, on a local path (a URL's model directory is left alone)."""
+    from pathlib import Path
+
+    if "://" not in url or url.startswith("file://"):
+        path = Path(url.removeprefix("file://"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import sparkdl
+
+    data = _common.absolute(args.data).rstrip("/")
+    model_dir = _common.absolute(args.model).rstrip("/")
+    spark = _common.session(args, "sparkdl-train-digits")
+    try:
+        if not has_dataset(data):
+            import etl
+
+            print(f"no dataset at {data}/train: running the ETL job (jobs/etl.py) first")
+            etl.run_etl(spark, data, test_fraction=0.2, seed=args.seed, num_files=None, overwrite=True)
+        ds = sparkdl.Dataset(f"{data}/train")
+
+        started = time.perf_counter()
+        result = sparkdl.launch(
+            train, ds, args.epochs, args.batch_size, args.lr, args.seed,
+            num_workers=args.num_workers, max_attempts=args.max_attempts, spark=spark,
         )
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("WARN")
-    out = Path(args.out or tempfile.mkdtemp(prefix="sparkdl-train-"))
+        train_s = time.perf_counter() - started
+        metrics = result.metrics
+        per_epoch = metrics.groupby("epoch")["loss"].mean()
+        for epoch, loss in per_epoch.items():
+            print(f"epoch {int(epoch)}: mean loss {loss:.4f} over {args.num_workers} ranks")
+        print(f"training: {args.epochs} epochs on {args.num_workers} workers in {train_s:.1f} s "
+              f"({result.attempts} attempt(s)); metrics in {result.metrics_path}")
 
-    digits = load_digits()
-    rows = [
-        (i, [float(v) / 16.0 for v in x], int(y))
-        for i, (x, y) in enumerate(zip(digits.data, digits.target, strict=True))
-    ]
-    df = spark.createDataFrame(rows, "id long, features array<float>, label int")
-    train_df, test_df = df.randomSplit([0.8, 0.2], seed=args.seed)
-    started = time.perf_counter()
-    ds = sparkdl.write_dataset(train_df, str(out / "digits-train"), overwrite=True)
-    print(f"ETL: {ds.num_rows} training rows written to {ds.url} in {time.perf_counter() - started:.1f} s")
+        module = make_model()
+        module.load_state_dict(result.value["state_dict"])
+        model = sparkdl.TorchModel(model=module, featuresCol="features", task="classification")
+        model.write().overwrite().save(model_dir)
+        accuracy, rows = evaluate(spark, model, f"{data}/test")
+    finally:
+        spark.stop()
 
-    started = time.perf_counter()
-    result = sparkdl.run(
-        train, ds, args.epochs, args.batch_size, args.lr, args.seed, num_workers=args.num_workers
-    )
-    print(f"training: {args.epochs} epochs on {args.num_workers} workers in {time.perf_counter() - started:.1f} s")
+    summary = {
+        "accuracy": accuracy,
+        "test_rows": rows,
+        "epochs": args.epochs,
+        "num_workers": args.num_workers,
+        "attempts": result.attempts,
+        "epoch_loss": [float(v) for v in per_epoch.to_numpy()],
+        "train_seconds": round(train_s, 2),
+        "model": model_dir,
+    }
+    write_text(f"{model_dir}/summary.json", json.dumps(summary, indent=2))
+    if result.metrics_path:
+        from pathlib import Path
 
-    model = make_model()
-    model.load_state_dict(result["state_dict"])
-    test = test_df.toPandas()
-    x = torch.tensor(np.stack(test["features"].to_numpy()), dtype=torch.float32)
-    with torch.no_grad():
-        predicted = model(x).argmax(dim=1).numpy()
-    accuracy = float((predicted == test["label"].to_numpy()).mean())
-    torch.save(result["state_dict"], out / "model.pt")
-    summary = {"accuracy": accuracy, "test_rows": len(test), "losses": result["losses"], "model": str(out / "model.pt")}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"held-out accuracy {accuracy:.4f} on {len(test)} rows; model saved to {out / 'model.pt'}")
-    spark.stop()
+        write_text(f"{model_dir}/metrics.jsonl", Path(result.metrics_path).read_text())
+    print(f"held-out accuracy {accuracy:.4f} on {rows} rows; model saved to {model_dir}")
     if accuracy < args.min_accuracy:
         print(f"accuracy {accuracy:.4f} is below --min-accuracy {args.min_accuracy}", file=sys.stderr)
         return 1

@@ -1,0 +1,181 @@
+"""The ``sparkdl`` command line, run as a real subprocess (``python -m sparkdl.cli``).
+
+``sparkdl doctor`` against a real standalone cluster (executors, GPUs, slots) is in
+tests/test_standalone.py; here it runs on the driver alone, with a real and with a fake Java.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkdl import cli
+
+CLI = [sys.executable, "-m", "sparkdl.cli"]
+
+
+def sparkdl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("text", "major"),
+    [
+        ('openjdk version "17.0.15" 2025-04-15', 17),
+        ('java version "1.8.0_292"', 8),
+        ('openjdk version "21-ea" 2023-09-19', 21),
+        ('openjdk version "11.0.2" 2019-01-15', 11),
+        ("no version here", None),
+    ],
+)
+def test_parse_java_version(text: str, major: int | None) -> None:
+    assert cli.parse_java_version(text) == major
+
+
+def test_run_keeps_the_scripts_own_options() -> None:
+    args = cli.build_parser().parse_args(["run", "-n", "2", "--max-attempts", "3", "train.py", "--lr", "0.1", "-n", "5"])
+    assert (args.num_workers, args.max_attempts, args.script) == (2, 3, "train.py")
+    assert args.script_args == ["--lr", "0.1", "-n", "5"]
+
+
+def test_doctor_on_the_driver_passes_here() -> None:
+    out = sparkdl("doctor", "--no-spark")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
+    for name in ("java", "python", "pyspark", "torch", "pyarrow", "numpy", "horovod", "petastorm", "gpus"):
+        assert name in rows, out.stdout
+    assert rows["java"].rstrip().endswith("ok") and rows["torch"].rstrip().endswith("ok")
+    assert "0 error(s)" in out.stdout
+
+
+def _fake_java(directory: Path, version_line: str) -> None:
+    java = directory / "java"
+    java.write_text(f"#!/bin/sh\necho '{version_line}' >&2\n")
+    java.chmod(java.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.mark.parametrize(
+    ("version_line", "problem"),
+    [
+        (None, "no java on PATH and no JAVA_HOME"),
+        ('openjdk version "11.0.2" 2019-01-15', "Java 11 is too old: sparkdl needs Java >= 17"),
+    ],
+)
+def test_doctor_says_what_is_wrong_with_java_and_how_to_fix_it(tmp_path: Path, version_line: str | None, problem: str) -> None:
+    if version_line is not None:
+        _fake_java(tmp_path, version_line)
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(tmp_path)  # this directory only: no real java, no nvidia-smi
+    out = sparkdl("doctor", env=env)  # without --no-spark: the Spark part is skipped, not tried
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert problem in out.stdout
+    assert "fix: install Java 17" in out.stdout
+    assert "skipped: fix Java and pyspark first" in out.stdout
+
+
+def test_run_refuses_a_missing_script(tmp_path: Path) -> None:
+    out = sparkdl("run", "-n", "2", "nope.py", cwd=tmp_path)
+    assert out.returncode == 2 and "nope.py: no such file" in out.stderr
+
+
+@pytest.mark.parametrize(("error", "code"), [("RunFailedError", 1), ("RunTimeoutError", 124)])
+def test_run_exit_status(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: str, code: int) -> None:
+    """The mapping of run outcomes to exit codes, with sparkdl.run and the session stubbed out."""
+    import sparkdl as package
+
+    class Stopped:
+        stopped = False
+
+        def stop(self) -> None:
+            Stopped.stopped = True
+
+    def failing_run(*args: Any, **kwargs: Any) -> None:
+        raise getattr(package, error)("the report", attempts=2, root_cause="rank 1 exited with code 3")
+
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    monkeypatch.setattr(cli, "_session", lambda *a, **k: Stopped())
+    monkeypatch.setattr(package, "run", failing_run)
+    assert cli.main(["run", "-n", "2", str(script)]) == code
+    assert Stopped.stopped
+
+
+SCRIPT = '''\
+"""A torchrun-style script: argv in, torch.distributed, a file out; rank 1 fails once."""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import helper  # a module next to the script, found as under torchrun
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--lr", type=float, required=True)
+p.add_argument("--fail-once", required=True)
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+if rank == 1 and not os.path.exists(args.fail_once):
+    open(args.fail_once, "w").close()
+    print("rank 1 fails on purpose", flush=True)
+    sys.exit(3)
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+print(f"rank {rank} of {world}: sum {total.item()}", flush=True)
+if rank == 0:
+    with open(args.out, "w") as f:
+        json.dump({"sum": total.item(), "world": world, "lr": args.lr, "argv": sys.argv[1:],
+                   "helper": helper.VALUE, "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}}, f)
+'''
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_run_a_torchrun_script_on_two_spark_workers_with_a_rerun(tmp_path: Path, no_leaks: None) -> None:
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "train.py").write_text(SCRIPT)
+    (scripts / "helper.py").write_text("VALUE = 42\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    out = sparkdl(
+        "run", "-n", "2", "--max-attempts", "2", "--timeout", "120", "--conf", "spark.ui.enabled=false",
+        str(scripts / "train.py"), "--out", "result.json", "--lr", "0.1", "--fail-once", "failed-once",
+        cwd=work, timeout=280,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    # Relative paths in the script's arguments resolved against the command's directory.
+    result = json.loads((work / "result.json").read_text())
+    assert (work / "failed-once").exists()
+    assert result["sum"] == 3.0 and result["world"] == 2 and result["lr"] == 0.1 and result["helper"] == 42
+    assert result["argv"] == ["--out", "result.json", "--lr", "0.1", "--fail-once", "failed-once"]
+    assert result["env"] == {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    # The ranks' output reached the console, tagged; the second attempt is marked.
+    assert "[rank 1] rank 1 fails on purpose" in out.stdout
+    assert "[rank 1, attempt 1] rank 1 of 2: sum 3.0" in out.stdout
+
+
+def test_console_script_is_installed() -> None:
+    exe = Path(sys.executable).parent / "sparkdl"
+    assert exe.is_file(), "pip install -e . creates the sparkdl console script"
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("sparkdl ")
+
+
+def test_help_shows_the_example() -> None:
+    out = sparkdl("run", "--help")
+    assert out.returncode == 0
+    assert "sparkdl run -n 2 train.py --lr 0.1" in textwrap.dedent(out.stdout).replace("\n", " ").replace("  ", " ")

@@ -1,0 +1,148 @@
+"""The jobs in jobs/: their options and defaults file (no JVM), and the training job end to end
+with plain ``python`` on a local Spark session it creates itself. tests/test_standalone.py
+submits all three jobs with spark-submit to a real standalone cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = ROOT / "jobs"
+
+
+@pytest.fixture
+def jobs(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The jobs' modules, imported the way a job script imports its neighbours."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(JOBS))
+    for name in ("_common", "etl", "train", "inference"):
+        sys.modules.pop(name, None)
+    monkeypatch.delenv("SPARKDL_CONF_DIR", raising=False)
+
+    class Jobs:
+        common = importlib.import_module("_common")
+        etl = importlib.import_module("etl")
+        train = importlib.import_module("train")
+        inference = importlib.import_module("inference")
+
+    yield Jobs
+    for name in ("_common", "etl", "train", "inference"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("job", ["etl", "train", "inference"])
+def test_help_names_the_spark_submit_options(job: str) -> None:
+    out = subprocess.run([sys.executable, str(JOBS / f"{job}.py"), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for option in ("--master", "--conf KEY=VALUE", "--properties-file", "--defaults", "--num-workers"):
+        assert option in out.stdout
+    # Defaults shown in the help come from conf/sparkdl-defaults.conf.
+    if job == "train":
+        assert "(default: 8)" in out.stdout  # sparkdl.train.epochs
+
+
+def test_properties_format(tmp_path: Path, jobs: Any) -> None:
+    path = tmp_path / "x.conf"
+    path.write_text(
+        "# comment\n! also a comment\n\n"
+        "spark.a   1\n"
+        "spark.b=two words\n"
+        "spark.c : -Dx=1 -Dy=2\n"
+        "spark.d\tvalue\n"
+    )
+    assert jobs.common.read_properties(path) == {
+        "spark.a": "1", "spark.b": "two words", "spark.c": "-Dx=1 -Dy=2", "spark.d": "value",
+    }
+
+
+def test_shipped_defaults_are_valid_for_every_job(jobs: Any) -> None:
+    etl = jobs.etl.parse_args([])
+    train = jobs.train.parse_args([])
+    inference = jobs.inference.parse_args([])
+    assert etl.data == train.data == inference.data == "/tmp/sparkdl-jobs/digits"
+    assert train.model == inference.model
+    assert etl.overwrite is True and etl.test_fraction == 0.2
+    assert (train.epochs, train.batch_size, train.lr, train.num_workers) == (8, 32, 0.05, 2)
+    assert inference.batch_size == 1024  # sparkdl.inference.batch-size, not train's
+    assert train.master is None and train.conf == []
+
+
+def test_command_line_wins_over_job_keys_which_win_over_shared_keys(tmp_path: Path, jobs: Any) -> None:
+    conf = tmp_path / "mine.conf"
+    conf.write_text(
+        "sparkdl.jobs.num-workers 3\nsparkdl.jobs.data /d\nsparkdl.jobs.model /m\n"
+        "sparkdl.jobs.epochs 2\nsparkdl.train.epochs 4\nsparkdl.etl.overwrite false\n"
+    )
+    args = jobs.train.parse_args(["--defaults", str(conf), "--conf", "spark.x=1", "--conf", "spark.y=a=b"])
+    assert (args.epochs, args.num_workers, args.data) == (4, 3, "/d")
+    assert args.conf == [("spark.x", "1"), ("spark.y", "a=b")]
+    args = jobs.train.parse_args(["--defaults", str(conf), "--epochs", "6", "--num-workers", "1"])
+    assert (args.epochs, args.num_workers) == (6, 1)
+    assert jobs.etl.parse_args(["--defaults", str(conf)]).overwrite is False
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("sparkdl.train.epoch 3", "jobs/train.py has no option --epoch"),
+        ("spark.executor.memory 2g", "unknown key 'spark.executor.memory'"),
+        ("sparkdl.train.epochs many", "'many' is not valid"),
+        ("sparkdl.etl.overwrite yes", "expected true or false"),
+    ],
+)
+def test_bad_defaults_are_named(tmp_path: Path, jobs: Any, capsys: pytest.CaptureFixture[str], line: str, message: str) -> None:
+    conf = tmp_path / "bad.conf"
+    conf.write_text(f"sparkdl.jobs.data /d\nsparkdl.jobs.model /m\n{line}\n")
+    job = jobs.etl if "etl" in line else jobs.train
+    with pytest.raises(SystemExit) as exc:
+        job.parse_args(["--defaults", str(conf)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and str(conf) in err
+
+
+def test_bad_conf_option_is_a_usage_error(jobs: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        jobs.train.parse_args(["--conf", "no-equals-sign"])
+    assert "--conf takes KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_train_job_with_plain_python_from_nothing_to_a_saved_model(tmp_path: Path, spark: Any) -> None:
+    """As tools/demo runs it: no dataset yet, so the job runs the ETL first, then trains, evaluates, saves."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    out = subprocess.run(
+        [sys.executable, str(JOBS / "train.py"), "--data", "digits", "--model", "model", "--epochs", "4",
+         "--min-accuracy", "0.85", "--conf", "spark.sql.shuffle.partitions=2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "running the ETL job (jobs/etl.py) first" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+    # Relative paths were made absolute against the directory the job started in.
+    summary = json.loads((tmp_path / "model" / "summary.json").read_text())
+    assert summary["accuracy"] >= 0.85 and summary["model"] == str(tmp_path / "model")
+    assert len(summary["epoch_loss"]) == 4 and summary["epoch_loss"][-1] < summary["epoch_loss"][0]
+    assert (tmp_path / "digits" / "train" / "_sparkdl_manifest.json").is_file()
+    # The session the job created itself logged through conf/log4j2.properties (warnings only).
+    assert "Using Spark's default log4j profile" not in out.stderr
+
+    # The saved model is a Spark ML model that loads and scores elsewhere.
+    from pyspark.sql import functions as F
+
+    import sparkdl
+
+    model = sparkdl.TorchModel.load(str(tmp_path / "model"))
+    scored = model.transform(spark.read.parquet(str(tmp_path / "digits" / "test")))
+    accuracy = scored.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
+    assert accuracy == pytest.approx(summary["accuracy"])
