@@ -54,6 +54,8 @@ class RunConfig:
         progress: show a live progress line on the driver (epoch, step, throughput, loss) from
             rank 0's metrics.
         progress_interval_s: least time between two progress lines.
+        mlflow: log the run's metrics and final model to MLflow (the active MLflow run, or a new
+            one). ``None`` means the Spark conf ``spark.sparkdl.mlflow.enabled`` (default false).
         stop_on_repeated_error: stop before ``max_attempts`` when a rerun cannot help (see
             :func:`sparkdl._report.decide`).
     """
@@ -72,6 +74,7 @@ class RunConfig:
     stop_on_repeated_error: bool = True
     progress: bool = True
     progress_interval_s: float = 5.0
+    mlflow: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts is not None and (

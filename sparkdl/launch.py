@@ -31,7 +31,7 @@ from sparkdl.errors import (
     RunTimeoutError,
     SparkDLError,
 )
-from sparkdl.metrics import MetricsLog, Progress, RunResult
+from sparkdl.metrics import MetricsLog, Progress, RunResult, log_to_mlflow
 from sparkdl.worker import TaskPayload, task_main
 
 if TYPE_CHECKING:
@@ -167,20 +167,45 @@ def launch(
     metrics = MetricsLog(_local_metrics_path(run_dir, run_id))
     progress = Progress(cfg.progress_interval_s, cfg.progress)
     monitor = _Monitor(num_workers, attempts_allowed, cfg, store, metrics, progress)
+    mlflow_on = _mlflow_enabled(sc.getConf(), cfg)
+    value: Any = None
     try:
         value = _launch(session, monitor, cfg, backend, gpu, run_id, fn_bytes, store, num_workers, attempts_allowed)
     finally:
         metrics.close()
         progress.finish()
-    return RunResult(
-        value=value,
-        run_id=run_id,
-        run_dir=run_dir,
-        checkpoint_dir=store.url,
-        attempts=monitor.attempts_seen(),
-        records=metrics.records,
-        metrics_path=str(metrics.path) if metrics.path else None,
-    )
+        result = RunResult(
+            value=value,
+            run_id=run_id,
+            run_dir=run_dir,
+            checkpoint_dir=store.url,
+            attempts=monitor.attempts_seen(),
+            records=metrics.records,
+            metrics_path=str(metrics.path) if metrics.path else None,
+        )
+        if mlflow_on:
+            # Metrics go to MLflow whether the run succeeded or not; the model only on success.
+            try:
+                log_to_mlflow(result, num_workers=num_workers, backend=backend, succeeded=monitor.succeeded)
+            except Exception as exc:  # a tracking server's trouble must not hide the run's outcome
+                print(f"sparkdl: logging to MLflow failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return result
+
+
+def _mlflow_enabled(conf: Any, cfg: RunConfig) -> bool:
+    wanted = cfg.mlflow
+    if wanted is None:
+        wanted = str(conf.get("spark.sparkdl.mlflow.enabled", "false")).lower() == "true"
+    if not wanted:
+        return False
+    try:
+        import mlflow  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "MLflow logging is on (RunConfig.mlflow or spark.sparkdl.mlflow.enabled) but mlflow is "
+            "not installed: pip install mlflow-skinny, or turn it off"
+        ) from exc
+    return True
 
 
 def _launch(
@@ -221,6 +246,7 @@ def _launch(
             if outcome.result is not None:
                 import cloudpickle
 
+                monitor.succeeded = True
                 return cloudpickle.loads(outcome.result)
             used = monitor.attempts_seen()
             # A new Spark job continues the count when Spark's own stage retries ran out first.
@@ -417,6 +443,7 @@ class _Monitor:
         self._gangs: dict[tuple[int, ...], int] = {}
         self.stopping: str | None = None
         self.gave_up: str | None = None
+        self.succeeded = False
         self.last_trouble = time.monotonic()
         self.running_since: float | None = None
 

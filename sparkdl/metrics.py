@@ -168,3 +168,59 @@ class RunResult:
         ax.set_xlabel(x)
         ax.legend()
         return ax
+
+
+def log_to_mlflow(result: RunResult, *, num_workers: int, backend: str, succeeded: bool) -> None:
+    """Logs a run to MLflow: its settings, rank 0's metrics by step, the metrics file, the model.
+
+    It logs into the active MLflow run when there is one (so a notebook's own run collects it),
+    else into a new run named ``sparkdl-<run id>``. The final model is rank 0's return value
+    when that is a ``torch.nn.Module`` or a state_dict, saved with ``torch.save`` under
+    ``model/``.
+    """
+    import os
+    import tempfile
+
+    import mlflow
+
+    own_run = mlflow.active_run() is None
+    if own_run:
+        mlflow.start_run(run_name=f"sparkdl-{result.run_id}")
+    try:
+        mlflow.log_params({
+            "sparkdl.run_id": result.run_id,
+            "sparkdl.num_workers": num_workers,
+            "sparkdl.backend": backend,
+            "sparkdl.attempts": result.attempts,
+            "sparkdl.succeeded": succeeded,
+        })
+        skip = {"rank", "attempt", "time", "step"}
+        for index, record in enumerate(r for r in result.records if r.get("rank") == 0):
+            values = {
+                k: float(v) for k, v in record.items()
+                if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            if values:
+                mlflow.log_metrics(values, step=int(record.get("step", index)))
+        if result.metrics_path and os.path.exists(result.metrics_path):
+            mlflow.log_artifact(result.metrics_path, "sparkdl")
+        if succeeded and _is_model(result.value):
+            import torch
+
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "model.pt")
+                torch.save(result.value, path)
+                mlflow.log_artifact(path, "model")
+    finally:
+        if own_run:
+            mlflow.end_run(status="FINISHED" if succeeded else "FAILED")
+
+
+def _is_model(value: Any) -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    if isinstance(value, torch.nn.Module):
+        return True
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())

@@ -300,3 +300,31 @@ def test_metrics_reach_the_driver_with_progress_and_a_file(spark, capfd, no_leak
     assert "sparkdl progress: attempt 0 | epoch 0 | step " in err and "loss " in err
     with pytest.raises(sparkdl.ConfigError, match="metric 'bad'"):
         sparkdl.RunContext(0, 1, 0, 1, 0, "x", "h", "torch", (), False).log_metrics({"bad": [1, 2]})
+
+
+def small_model_with_metrics() -> dict[str, Any]:
+    import torch
+
+    ctx = sparkdl.context()
+    for step in range(3):
+        ctx.log_metrics({"loss": 3.0 - step}, step=step)
+    torch.manual_seed(0)
+    return torch.nn.Linear(2, 1).state_dict()
+
+
+def test_metrics_and_the_model_go_to_mlflow_when_enabled(spark, tmp_path, monkeypatch, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    mlflow = pytest.importorskip("mlflow")
+    import torch
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    result = sparkdl.launch(small_model_with_metrics, num_workers=2, config=FAST.replace(mlflow=True))
+    client = mlflow.tracking.MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name("Default").experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_name == f"sparkdl-{result.run_id}"
+    run_id = runs[0].info.run_id
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert history == [(0, 3.0), (1, 2.0), (2, 1.0)]  # rank 0's metrics, by step
+    assert runs[0].data.params["sparkdl.num_workers"] == "2"
+    local = client.download_artifacts(run_id, "model/model.pt", str(tmp_path))
+    saved = torch.load(local, weights_only=True)
+    assert all(torch.equal(saved[k], result.value[k]) for k in result.value)
