@@ -383,6 +383,22 @@ def _wait_for_executors(sc: Any, wanted: int, timeout_s: float) -> int:
         time.sleep(0.25)
 
 
+def _settled_slots(sc: Any, wanted: int, timeout_s: float, settle_s: float = 5.0) -> int | None:
+    """Task slots once executors stop registering: ``wanted`` reached, or no change for ``settle_s``."""
+    from sparkdl.launch import _task_slots
+
+    deadline = time.monotonic() + timeout_s
+    last, since = _task_slots(sc), time.monotonic()
+    while last is not None and last < wanted and time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = _task_slots(sc)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            break
+    return last
+
+
 def _check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | None], num_workers: int,
                    timeout_s: float, driver_gpus: list[str]) -> None:
     from sparkdl.launch import _busy_slots, _task_slots
@@ -401,7 +417,7 @@ def _check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | 
         if conf.get("spark.dynamicAllocation.enabled", "false") == "true":
             report.add("dynamic allocation", ERROR, problem="barrier stages (sparkdl.run) do not support dynamic allocation",
                        fix="--conf spark.dynamicAllocation.enabled=false")
-    total = _task_slots(sc)
+    total = _settled_slots(sc, num_workers, min(timeout_s / 2, 30.0)) if not local else _task_slots(sc)
     busy = _busy_slots(sc)
     slots_text = f"{total} total, {max((total or 0) - busy, 0)} free; need {num_workers}" if total is not None else "unknown"
     if total is not None and total - busy < num_workers:

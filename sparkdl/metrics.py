@@ -95,7 +95,7 @@ class Progress:
         return "sparkdl progress: " + " | ".join(parts)
 
     def _show(self, text: str) -> None:
-        if "ipykernel" in sys.modules:
+        if _in_notebook():
             try:
                 from IPython.display import display
 
@@ -115,6 +115,16 @@ class Progress:
         if self.enabled and self._state:
             with self._lock:
                 self._show(self.render())
+
+
+def _in_notebook() -> bool:
+    """True under a Jupyter kernel, where a display handle can update one line in place."""
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
 @dataclass
