@@ -317,6 +317,8 @@ def test_metrics_and_the_model_go_to_mlflow_when_enabled(spark, tmp_path, monkey
     import torch
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # MLflow puts artifacts under ./mlruns of the working directory: keep them in tmp_path.
+    monkeypatch.chdir(tmp_path)
     result = sparkdl.launch(small_model_with_metrics, num_workers=2, config=FAST.replace(mlflow=True))
     client = mlflow.tracking.MlflowClient()
     runs = client.search_runs([client.get_experiment_by_name("Default").experiment_id])
