@@ -238,6 +238,7 @@ def _launch(
             log_tail_lines=cfg.log_tail_lines,
             checkpoint_url=store.url,
             keep_checkpoints=cfg.keep_checkpoints,
+            prewarm=cfg.prewarm,
         )
         job_index = 0
         while True:

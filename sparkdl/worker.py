@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sparkdl._channel import ChannelError, FramedConnection, connect
+from sparkdl._spawn import RankProcess, start_rank
 
 RESULT_CHUNK_BYTES = 16 * 1024 * 1024
 _LOG_PIECE_CHARS = 1024 * 1024
@@ -50,6 +50,7 @@ class TaskPayload:
     log_tail_lines: int
     checkpoint_url: str
     keep_checkpoints: int
+    prewarm: bool = True
 
 
 class RankFailed(RuntimeError):
@@ -138,7 +139,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
     link = _DriverLink(conn, rank)
     workdir = Path(tempfile.mkdtemp(prefix=f"sparkdl-{payload.run_id}-r{rank}-"))
     listener: socket.socket | None = None
-    proc: subprocess.Popen[bytes] | None = None
+    proc: RankProcess | None = None
     lifeline_w: int | None = None
     control_w: int | None = None
     relays: list[_Relay] = []
@@ -147,27 +148,22 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         (workdir / "payload.pkl").write_bytes(payload.fn_bytes)
         if rank == 0:
             listener = socket.create_server((host, 0), backlog=1024)
-        # The rank process starts now and imports torch while the gang forms: on a warm
-        # executor that import, not Spark, is the longest step of a launch.
+        # The rank process starts now, while the gang forms. Importing torch is the longest step
+        # of a launch on a warm executor: the rank is forked from a zygote that did it already.
         lifeline_r, lifeline_w = os.pipe()
         control_r, control_w = os.pipe()
         metrics_r, metrics_w = os.pipe()
         env = _base_env(payload, rank, host, gpu_ids)
-        env["SPARKDL_LIFELINE_FD"] = str(lifeline_r)
-        env["SPARKDL_CONTROL_FD"] = str(control_r)
-        env["SPARKDL_METRICS_FD"] = str(metrics_w)
-        pass_fds = [lifeline_r, control_r, metrics_w]
+        fds = {"lifeline": lifeline_r, "control": control_r, "metrics": metrics_w}
         if listener is not None:
-            pass_fds.append(listener.fileno())
-            env["SPARKDL_STORE_FD"] = str(listener.fileno())
-        proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "sparkdl._rank", str(workdir)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            pass_fds=pass_fds,
-            start_new_session=True,
+            fds["store"] = listener.fileno()
+        proc = start_rank(
+            str(workdir),
+            env,
+            fds,
+            name=f"sparkdl-rank{rank}",
+            prewarm=payload.prewarm,
+            timeout_s=payload.connect_timeout_s,
         )
         os.close(lifeline_r)
         os.close(control_r)

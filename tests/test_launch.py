@@ -330,3 +330,65 @@ def test_metrics_and_the_model_go_to_mlflow_when_enabled(spark, tmp_path, monkey
     local = client.download_artifacts(run_id, "model/model.pt", str(tmp_path))
     saved = torch.load(local, weights_only=True)
     assert all(torch.equal(saved[k], result.value[k]) for k in result.value)
+
+
+def describe_rank_process(tag: str) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    me = psutil.Process()
+    parent = me.parent()
+    return {
+        "tag": tag,
+        "pid": me.pid,
+        "name": me.name(),
+        "cmdline": me.cmdline(),
+        "parent_pid": parent.pid if parent else None,
+        "parent_name": parent.name() if parent else None,
+        "pgid": os.getpgid(0),
+        "numpy_draw": float(np.random.rand()),
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "cwd": os.getcwd(),
+        "stdin_is_devnull": os.path.samefile("/proc/self/fd/0", os.devnull),
+    }
+
+
+def gather_rank_descriptions(tag: str) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, describe_rank_process(tag))
+    return out
+
+
+def test_ranks_are_forked_from_a_warm_zygote_that_later_runs_reuse(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    first = sparkdl.run(gather_rank_descriptions, "a", num_workers=2, config=FAST)
+    second = sparkdl.run(gather_rank_descriptions, "b", num_workers=2, config=FAST)
+    for rank, desc in enumerate(first + second):
+        # Each rank leads its own process group (so the task can kill all it started) under a
+        # zygote, with its own name, stdin on /dev/null, and CUDA untouched until the rank uses it.
+        assert desc["name"] == f"sparkdl-rank{rank % 2}", desc
+        assert desc["parent_name"] == "sparkdl-zygote", desc
+        assert desc["pgid"] == desc["pid"] and desc["stdin_is_devnull"] and not desc["cuda_initialized"]
+    # The Python workers and their zygotes outlive a run: the second run forks from the same ones.
+    assert {d["parent_pid"] for d in first} == {d["parent_pid"] for d in second}
+    # A forked rank draws fresh random seeds, as a fresh interpreter would: no two ranks and no
+    # two runs share numpy's global stream.
+    draws = [d["numpy_draw"] for d in first + second]
+    assert len(set(draws)) == len(draws)
+
+
+def test_a_lost_zygote_is_replaced_and_prewarm_false_starts_fresh_interpreters(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    before = sparkdl.run(gather_rank_descriptions, "warm", num_workers=2, config=FAST)
+    zygotes = [psutil.Process(d["parent_pid"]) for d in before]
+    for z in zygotes:
+        z.kill()
+    psutil.wait_procs(zygotes, timeout=10)
+    after = sparkdl.run(gather_rank_descriptions, "again", num_workers=2, config=FAST)
+    assert all(d["parent_name"] == "sparkdl-zygote" for d in after)
+    assert not {d["parent_pid"] for d in after} & {d["parent_pid"] for d in before}
+
+    cold = sparkdl.run(gather_rank_descriptions, "cold", num_workers=2, config=FAST.replace(prewarm=False))
+    for desc in cold:
+        assert desc["cmdline"][-3:-1] == ["-m", "sparkdl._rank"], desc
+        assert desc["parent_name"] != "sparkdl-zygote"
