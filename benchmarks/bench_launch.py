@@ -4,6 +4,10 @@ Both do the same work, one gloo allreduce on 2 ranks, on the same local Spark se
 same process, alternating, after one warm-up run each. Prints both medians and their ratio
 (target: sparkdl / TorchDistributor <= 0.25).
 
+TorchDistributor's tasks return without reading their input, so Spark retires their Python
+workers; each sparkdl run after one starts on new Python workers, and what keeps it warm is the
+executor's zygote (see the README's "Warm start"), which outlives them.
+
     .venv/bin/python benchmarks/bench_launch.py [--runs 5] [--master local[2]]
 """
 

@@ -1,4 +1,4 @@
-"""Starting a rank's process from a Spark task: forked from the Python worker's warm zygote
+"""Starting a rank's process from a Spark task: forked from the executor's warm zygote
 (:mod:`sparkdl._zygote`), or as a fresh interpreter when the zygote cannot be had.
 
 Both give an object with ``pid``, ``stdout``, ``stderr``, ``wait(timeout=None)`` and
@@ -8,11 +8,15 @@ Both give an object with ``pid``, ``stdout``, ``stderr``, ``wait(timeout=None)``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import signal
 import socket
+import struct
 import subprocess
 import sys
+import time
 from typing import IO, Any, ClassVar, Protocol
 
 # The descriptors a spawn request carries, in this order; the rank's environment names the
@@ -36,49 +40,53 @@ class ZygoteError(RuntimeError):
     """The zygote could not start, fork, or report on a rank; the caller falls back."""
 
 
+class ZygoteTimeout(ZygoteError):
+    """The zygote did not answer in time."""
+
+
 class Zygote:
-    """The task side of one Python worker's zygote. One task runs at a time in a Python worker."""
+    """A Python worker's connection to its executor's zygote. One task runs at a time in a worker."""
 
     _current: ClassVar[Zygote | None] = None
+    # Zygotes this worker started: polled so that one that exits is reaped, not left a zombie.
+    _started: ClassVar[list[subprocess.Popen[bytes]]] = []
 
-    def __init__(self, ready_timeout_s: float) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "sparkdl._zygote", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL,
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,
-            )
-        finally:
-            theirs.close()
-        self.sock = ours
-        try:
-            ready = self._recv(ready_timeout_s)
-        except ZygoteError:
-            self.close()
-            raise
-        if "ready" not in ready:
-            self.close()
-            raise ZygoteError(f"unexpected first message from the zygote: {ready!r}")
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        self.pid = int(struct.unpack("3i", creds)[0])
 
     @classmethod
-    def get(cls, ready_timeout_s: float) -> Zygote:
-        """This Python worker's zygote, started on first use and again after it was lost."""
+    def get(cls, timeout_s: float) -> Zygote:
+        """This executor's zygote: connected on first use, started if none runs, again if lost."""
+        cls._started = [proc for proc in cls._started if proc.poll() is None]
         current = cls._current
-        if current is None or current.proc.poll() is not None:
-            if current is not None:
-                current.close()
-            cls._current = None
-            current = cls._current = Zygote(ready_timeout_s)
+        if current is not None and current.alive():
+            return current
+        if current is not None:
+            current.close()
+        cls._current = current = Zygote(_connect(zygote_address(), timeout_s, cls._started))
         return current
+
+    def alive(self) -> bool:
+        """False once the zygote has closed this connection (read ahead, without consuming)."""
+        try:
+            self.sock.setblocking(False)
+            try:
+                return self.sock.recv(MAX_MESSAGE, socket.MSG_PEEK) != b""
+            finally:
+                self.sock.setblocking(True)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
 
     def _recv(self, timeout: float | None) -> dict[str, Any]:
         self.sock.settimeout(timeout)
         try:
             data = self.sock.recv(MAX_MESSAGE)
         except TimeoutError as exc:
-            raise ZygoteError(f"the zygote did not answer within {timeout} s") from exc
+            raise ZygoteTimeout(f"the zygote did not answer within {timeout} s") from exc
         except OSError as exc:
             raise ZygoteError(f"the zygote's socket failed: {exc}") from exc
         if not data:
@@ -109,14 +117,64 @@ class Zygote:
             if reply.get("exit") == pid:
                 return int(reply["code"])
 
-    def close(self) -> None:
+    def close(self, *, kill: bool = False) -> None:
+        """Drops this connection; ``kill`` also ends a zygote that stopped answering in time."""
         self.sock.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        if kill:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signal.SIGKILL)
         if Zygote._current is self:
             Zygote._current = None
+
+
+def zygote_address() -> str:
+    """The abstract socket name of this executor's zygote.
+
+    It names what the zygote must share with its ranks: the user, the interpreter, this sparkdl,
+    and the process the zygote's life is tied to (this worker's parent: the PySpark daemon, or
+    the executor JVM), with its start time so that a reused pid never names an old zygote.
+    """
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat", "rb") as stat:
+            started = stat.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        started = ""
+    import sparkdl
+
+    key = "\0".join(
+        [str(os.getuid()), os.path.realpath(sys.executable), os.path.dirname(sparkdl.__file__),
+         sparkdl.__version__, str(parent), started]
+    )
+    return f"sparkdl-zygote-{parent}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+
+
+def _connect(address: str, timeout_s: float, started: list[subprocess.Popen[bytes]]) -> socket.socket:
+    """Connects to the zygote at ``address``, starting it first if none listens there."""
+    deadline = time.monotonic() + timeout_s
+    proc: subprocess.Popen[bytes] | None = None
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect("\0" + address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            if not isinstance(exc, (ConnectionRefusedError, FileNotFoundError)):
+                raise ZygoteError(f"could not reach the zygote: {exc}") from exc
+        if proc is None or (proc.poll() is not None and proc.returncode == 0):
+            # None listens (or the one started lost a race to a zygote that has since gone).
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "sparkdl._zygote", address, str(os.getppid())],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            started.append(proc)
+        elif proc.returncode is not None:
+            raise ZygoteError(f"the zygote exited with code {proc.returncode} before it listened")
+        if time.monotonic() > deadline:
+            raise ZygoteError(f"the zygote did not listen within {timeout_s} s")
+        time.sleep(0.01)
 
 
 class ForkedRank:
@@ -137,9 +195,9 @@ class ForkedRank:
         if self._code is None:
             try:
                 self._code = self._zygote.wait_exit(self.pid, timeout)
-            except ZygoteError as exc:
-                if timeout is not None and "did not answer" in str(exc):
-                    raise subprocess.TimeoutExpired(f"sparkdl rank pid {self.pid}", timeout) from exc
+            except ZygoteTimeout as exc:
+                raise subprocess.TimeoutExpired(f"sparkdl rank pid {self.pid}", timeout or 0) from exc
+            except ZygoteError:
                 # The zygote is gone and took the exit code with it: make sure the rank is too.
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.pid, 9)
@@ -188,10 +246,11 @@ def _fork_rank(workdir: str, env: dict[str, str], fds: dict[str, int], *, name: 
     request = {"workdir": workdir, "env": env, "cwd": os.getcwd(), "sys_path": list(sys.path), "name": name}
     try:
         pid = zygote.spawn(request, {"stdout": out_w, "stderr": err_w, **fds}, timeout_s)
-    except ZygoteError:
+    except ZygoteError as exc:
         for fd in (out_r, err_r):
             os.close(fd)
-        zygote.close()
+        # One that stopped answering is ended, so that the next task starts a fresh one.
+        zygote.close(kill=isinstance(exc, ZygoteTimeout))
         raise
     finally:
         os.close(out_w)

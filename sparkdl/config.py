@@ -56,10 +56,10 @@ class RunConfig:
         progress_interval_s: least time between two progress lines.
         mlflow: log the run's metrics and final model to MLflow (the active MLflow run, or a new
             one). ``None`` means the Spark conf ``spark.sparkdl.mlflow.enabled`` (default false).
-        prewarm: start each rank by forking a per-Python-worker process that has torch imported
-            already (a "zygote", started on a worker's first run and ended with the worker), which
-            saves the 1.5 to 2.5 s of importing torch on every later launch. ``False`` starts
-            every rank as a fresh interpreter.
+        prewarm: start each rank by forking a per-executor process that has torch imported
+            already (a "zygote", started by the executor's first run and ended with the executor),
+            which saves the 1.5 to 2.5 s of importing torch on every later launch. ``False``
+            starts every rank as a fresh interpreter.
         stop_on_repeated_error: stop before ``max_attempts`` when a rerun cannot help (see
             :func:`sparkdl._report.decide`).
     """

@@ -311,6 +311,8 @@ def _base_env(payload: TaskPayload, rank: int, host: str, gpu_ids: list[str]) ->
         "PYTHONUNBUFFERED": "1",
         "SPARKDL_RUN_ID": payload.run_id,
         "SPARKDL_RANK": str(rank),
+        # The Python worker running this rank's Spark task (a forked rank's parent is the zygote).
+        "SPARKDL_TASK_PID": str(os.getpid()),
         "SPARKDL_WORLD_SIZE": str(payload.num_workers),
         "SPARKDL_HOST": host,
         "SPARKDL_BACKEND": payload.backend,

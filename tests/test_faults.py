@@ -98,7 +98,8 @@ def train(ds: sparkdl.Dataset, fault: dict[str, Any]) -> dict[str, Any]:
             if how == "hang":
                 time.sleep(3600)
             if how == "kill_executor":
-                executor = next(p for p in psutil.Process().parents() if p.name().startswith("java"))
+                task = psutil.Process(int(os.environ["SPARKDL_TASK_PID"]))
+                executor = next(p for p in task.parents() if p.name().startswith("java"))
                 executor.kill()
                 time.sleep(3600)
             if how == "raise_later":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -370,17 +371,98 @@ def test_ranks_are_forked_from_a_warm_zygote_that_later_runs_reuse(spark, no_lea
         assert desc["name"] == f"sparkdl-rank{rank % 2}", desc
         assert desc["parent_name"] == "sparkdl-zygote", desc
         assert desc["pgid"] == desc["pid"] and desc["stdin_is_devnull"] and not desc["cuda_initialized"]
-    # The Python workers and their zygotes outlive a run: the second run forks from the same ones.
-    assert {d["parent_pid"] for d in first} == {d["parent_pid"] for d in second}
+    # The executor has one zygote, and it outlives a run: the second run forks from it too.
+    assert len({d["parent_pid"] for d in first + second}) == 1
     # A forked rank draws fresh random seeds, as a fresh interpreter would: no two ranks and no
     # two runs share numpy's global stream.
     draws = [d["numpy_draw"] for d in first + second]
     assert len(set(draws)) == len(draws)
 
 
+def _python_worker_pids(spark: Any) -> set[int]:
+    """Runs 2 tasks that read all their input, so that Spark keeps their Python workers."""
+    import pyarrow as pa
+
+    def pid(batches: Any) -> Any:
+        for _ in batches:
+            pass
+        yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]})
+
+    return {row.pid for row in spark.range(2).repartition(2).mapInArrow(pid, "pid long").collect()}
+
+
+def _retire_python_workers(spark: Any) -> None:
+    """Runs 2 tasks that return before reading their input, as TorchDistributor's do: Spark then
+    ends their Python workers instead of reusing them."""
+    import pyarrow as pa
+
+    def unread(batches: Any) -> Any:
+        yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]})
+
+    spark.range(2).repartition(2).mapInArrow(unread, "pid long").collect()
+
+
+def test_the_zygote_outlives_the_python_workers_that_spark_retires(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    first = sparkdl.run(gather_rank_descriptions, "a", num_workers=2, config=FAST)
+    workers = _python_worker_pids(spark)
+    _retire_python_workers(spark)
+    assert not workers & _python_worker_pids(spark), "Spark was expected to start new Python workers"
+    second = sparkdl.run(gather_rank_descriptions, "b", num_workers=2, config=FAST)
+    # New Python workers, the same warm zygote: the run after a TorchDistributor job or an idle
+    # minute does not import torch again.
+    assert {d["parent_name"] for d in second} == {"sparkdl-zygote"}
+    assert {d["parent_pid"] for d in second} == {d["parent_pid"] for d in first}
+
+
+ZYGOTE_LIFETIME_SCRIPT = """
+import os, sys
+import sparkdl
+from pyspark.sql import SparkSession
+
+spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+         .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())
+print("zygote", sparkdl.run(os.getppid, num_workers=2, config=sparkdl.RunConfig(echo_logs=False)), flush=True)
+spark.stop()
+print("stopped", flush=True)
+sys.stdin.read()  # the driver stays up until the test has looked
+"""
+
+
+def test_the_zygote_ends_when_its_executor_stops(tmp_path: Path) -> None:
+    script = tmp_path / "lifetime.py"
+    script.write_text(ZYGOTE_LIFETIME_SCRIPT)
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env=env, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = iter(proc.stdout.readline, "")
+        zygote_pid = next(int(line.split()[1]) for line in lines if line.startswith("zygote "))
+        zygote = psutil.Process(zygote_pid)
+        assert zygote.name() == "sparkdl-zygote"
+        assert next(lines).strip() == "stopped"
+        # The driver process lives on; the SparkContext stopped, and with it the executor's
+        # PySpark daemon, which is what the zygote watches.
+        deadline = time.monotonic() + 20
+        while zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the zygote outlived its executor"
+            time.sleep(0.1)
+        assert proc.poll() is None
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_lost_zygote_is_replaced_and_prewarm_false_starts_fresh_interpreters(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
     before = sparkdl.run(gather_rank_descriptions, "warm", num_workers=2, config=FAST)
-    zygotes = [psutil.Process(d["parent_pid"]) for d in before]
+    zygotes = [psutil.Process(pid) for pid in {d["parent_pid"] for d in before}]
     for z in zygotes:
         z.kill()
     psutil.wait_procs(zygotes, timeout=10)

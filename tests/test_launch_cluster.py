@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import psutil
 import pytest
 
 import sparkdl
@@ -53,7 +54,10 @@ def who_am_i() -> dict[str, Any]:
     facts = {
         "rank": ctx.rank,
         "sum": t.item(),
-        "executor_pid": os.getppid(),
+        "executor_pid": next(
+            p.pid for p in psutil.Process(int(os.environ["SPARKDL_TASK_PID"])).parents() if p.name().startswith("java")
+        ),
+        "zygote_pid": os.getppid(),
         "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "gpu_ids": list(ctx.gpu_ids),
         "local_rank": ctx.local_rank,
@@ -69,8 +73,9 @@ def test_ranks_run_on_separate_executors(cluster, no_leaks) -> None:  # type: ig
     out = sparkdl.run(who_am_i, num_workers=2, config=CFG)
     ranks = out["ranks"]
     assert [r["sum"] for r in ranks] == [3.0, 3.0]
-    # Each rank process is the child of a different Python worker, on a different executor JVM.
+    # Each rank runs under a different executor JVM, forked by that executor's own zygote.
     assert ranks[0]["executor_pid"] != ranks[1]["executor_pid"]
+    assert ranks[0]["zygote_pid"] != ranks[1]["zygote_pid"]
     assert all(r["cuda_visible"] == "" and r["device"] == "cpu" for r in ranks)
 
 
