@@ -88,6 +88,7 @@ class TorchBackend:
         if env.get("SPARKDL_INIT_PROCESS_GROUP") == "1":
             backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
             _ORIGINAL_INIT[0](backend=backend, timeout=timeout)
+            _all_ranks_connected()
 
     def teardown_rank(self) -> None:
         import torch.distributed as dist
@@ -124,10 +125,30 @@ def _install_init_hook(default_timeout: timedelta) -> None:
             return None
         if timeout is None and len(args) <= 2:
             kwargs["timeout"] = default_timeout
-        return original(*args, **kwargs)
+        original(*args, **kwargs)
+        _all_ranks_connected()
+        return None
 
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
+
+
+def _all_ranks_connected() -> None:
+    """Returns once every rank has finished creating the process group.
+
+    Rank 0 serves the rendezvous store, and Gloo's full-mesh connect can leave rank 0 done while
+    a peer still reads its last keys. Without this barrier, a bug that makes rank 0 raise at once
+    kills the store under that peer, which then fails with a connection error instead of the
+    same exception: the run reports a misleading cause and reruns a bug that every rank shares.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if os.environ.get("SPARKDL_USE_CUDA") == "1" and "nccl" in str(dist.get_backend()):
+        # NCCL's barrier otherwise guesses the device from the rank number.
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 class HorovodBackend:
