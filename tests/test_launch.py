@@ -224,6 +224,55 @@ def test_too_many_workers_fails_in_seconds_naming_numbers_and_confs(spark, no_le
     assert info.value.required == 3 and info.value.available == 2
 
 
+@pytest.mark.fault
+def test_slots_busy_with_another_job_are_waited_for_within_slot_wait_s(spark, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    sc = spark.sparkContext
+    flag = tmp_path / "release"
+
+    def hold_the_slot(_: int) -> None:  # a task of another job, until the flag appears (60 s at most)
+        import time
+
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def other_job() -> None:
+        sc.setJobGroup("another-job", "holds one of the two slots", interruptOnCancel=True)
+        sc.parallelize([0], 1).foreach(hold_the_slot)
+
+    blocker = threading.Thread(target=other_job, daemon=True)
+    blocker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any(
+            (info := sc.statusTracker().getStageInfo(s)) is not None and info.numActiveTasks
+            for s in sc.statusTracker().getActiveStageIds()
+        ):
+            assert time.monotonic() < deadline, "the other job never started its task"
+            time.sleep(0.1)
+        # With the slot still taken when slot_wait_s runs out: a clear error, no task started.
+        start = time.monotonic()
+        with pytest.raises(sparkdl.InsufficientSlotsError) as info:
+            sparkdl.run(allreduce_rank_sum, 1.0, num_workers=2, config=FAST.replace(slot_wait_s=1.5))
+        assert time.monotonic() - start < 10
+        msg = str(info.value)
+        assert "has 2" in msg and "of which 1 are free" in msg and "slot_wait_s" in msg
+        assert info.value.available == 1
+        # When the other job ends within slot_wait_s, the run waits for the slot and goes ahead.
+        releaser = threading.Timer(2.0, flag.touch)
+        releaser.start()
+        start = time.monotonic()
+        out = sparkdl.run(allreduce_rank_sum, 1.0, num_workers=2, config=FAST.replace(slot_wait_s=30))
+        assert out["value"] == 3.0 and out["attempt"] == 0
+        assert time.monotonic() - start >= 1.5
+        releaser.join()
+    finally:
+        flag.touch()
+        sc.cancelJobGroup("another-job")
+        blocker.join(timeout=30)
+    assert not blocker.is_alive()
+
+
 def test_gpu_without_gpu_confs_is_refused_before_launch(spark) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(sparkdl.ConfigError, match=r"spark\.task\.resource\.gpu\.amount"):
         sparkdl.run(sleep_forever, num_workers=1, use_gpu=True, config=FAST)
