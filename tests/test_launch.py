@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 import sparkdl
+from sparkdl.launch import _busy_slots
 
 # The rank functions below travel by value, as a notebook's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -244,10 +245,7 @@ def test_slots_busy_with_another_job_are_waited_for_within_slot_wait_s(spark, tm
     blocker.start()
     try:
         deadline = time.monotonic() + 30
-        while not any(
-            (info := sc.statusTracker().getStageInfo(s)) is not None and info.numActiveTasks
-            for s in sc.statusTracker().getActiveStageIds()
-        ):
+        while _busy_slots(sc) < 1:  # sparkdl's own count of the slots that running tasks hold
             assert time.monotonic() < deadline, "the other job never started its task"
             time.sleep(0.1)
         # With the slot still taken when slot_wait_s runs out: a clear error, no task started.
