@@ -20,6 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sparkdl.errors import ConfigError
+from sparkdl.session import conf_pair, create_session
+from sparkdl.session import read_properties as _read_properties
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
@@ -33,40 +37,11 @@ def conf_dir() -> Path:
 
 
 def read_properties(path: str | os.PathLike[str]) -> dict[str, str]:
-    """Reads a ``spark-defaults.conf``-style file: ``key value`` (or ``key=value``) per line.
-
-    Blank lines and lines starting with ``#`` or ``!`` are skipped. The value is the rest of the
-    line, stripped, so it may contain spaces (Java options, paths).
-    """
-    props: dict[str, str] = {}
-    for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        line = raw.strip()
-        if not line or line[0] in "#!":
-            continue
-        key, sep, value = _split_property(line)
-        if not sep:
-            raise SystemExit(f"{path}:{number}: expected 'key value', got {raw!r}")
-        props[key] = value
-    return props
-
-
-def _split_property(line: str) -> tuple[str, str, str]:
-    # The key ends at the first whitespace, '=' or ':', as in java.util.Properties.
-    for i, ch in enumerate(line):
-        if ch.isspace() or ch in "=:":
-            value = line[i + 1 :].strip()
-            if ch.isspace() and value[:1] in ("=", ":"):
-                value = value[1:].strip()
-            return line[:i], ch, value
-    return line, "", ""
-
-
-def conf_pair(text: str) -> tuple[str, str]:
-    """``--conf k=v`` as a pair, for argparse."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"--conf takes KEY=VALUE, e.g. spark.executor.memory=2g; got {text!r}")
-    return key.strip(), value
+    """:func:`sparkdl.session.read_properties`, ending the job with its ``file:line`` message on a bad line."""
+    try:
+        return _read_properties(path)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def job_parser(job: str, description: str, epilog: str) -> argparse.ArgumentParser:
@@ -176,12 +151,13 @@ def absolute(path: str) -> str:
 
 def session(args: argparse.Namespace, app_name: str) -> SparkSession:
     """The job's SparkSession: the one spark-submit set up, or a new one from the job's options."""
-    from pyspark.sql import SparkSession
-
-    builder = SparkSession.builder.appName(app_name)
     if under_spark_submit():
+        from pyspark.sql import SparkSession
+
+        builder = SparkSession.builder.appName(app_name)
         if args.master:
             print(f"{app_name}: --master {args.master} ignored: spark-submit chose the master", file=sys.stderr)
+        # spark-submit set Spark's confs up from its own options; ours add only session (SQL) confs.
         for key, value in args.conf:
             builder = builder.config(key, value)
         return builder.getOrCreate()
@@ -191,18 +167,6 @@ def session(args: argparse.Namespace, app_name: str) -> SparkSession:
     if args.properties_file and not Path(props_path).is_file():
         raise SystemExit(f"--properties-file {props_path}: no such file")
     confs.update(dict(args.conf))
-    master = args.master or confs.pop("spark.master", None) or f"local[{args.num_workers}]"
-    confs.pop("spark.master", None)
-    if master.startswith("local"):
-        # A session of our own on this machine: keep every socket on loopback, and let the
-        # Python workers run this interpreter (the one with torch and sparkdl).
-        ip = os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        confs.setdefault("spark.driver.host", ip)
-        confs.setdefault("spark.driver.bindAddress", ip)
-        # pyspark reads the workers' interpreter from PYSPARK_PYTHON; only spark-submit turns
-        # spark.pyspark.python into it, so a session started from Python needs the variable.
-        os.environ.setdefault("PYSPARK_PYTHON", confs.get("spark.pyspark.python", sys.executable))
-    confs.setdefault("spark.ui.showConsoleProgress", "false")
     log4j = conf_dir() / "log4j2.properties"
     if log4j.is_file():
         # pyspark hands these confs to the spark-submit that starts the driver JVM, so the JVM's
@@ -210,7 +174,5 @@ def session(args: argparse.Namespace, app_name: str) -> SparkSession:
         opt = f"-Dlog4j2.configurationFile={log4j.as_uri()}"
         for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
             confs[key] = f"{confs[key]} {opt}" if key in confs else opt
-    builder = builder.master(master)
-    for key, value in confs.items():
-        builder = builder.config(key, value)
-    return builder.getOrCreate()
+    # A session of our own: on loopback and with this interpreter as the workers' Python when local.
+    return create_session(args.master, confs, app_name, f"local[{args.num_workers}]")

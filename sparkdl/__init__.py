@@ -2,11 +2,12 @@
 
 from typing import TYPE_CHECKING, Any
 
-from sparkdl.checkpoint import CheckpointStore, TrainState
+from sparkdl._version import __version__ as __version__
 from sparkdl.compat import HorovodRunner, TorchDistributor
 from sparkdl.config import RunConfig
-from sparkdl.context import RunContext, context
-from sparkdl.dataset import Dataset, write_dataset
+from sparkdl.data import Dataset, write_dataset
+from sparkdl.driver.result import RunResult
+from sparkdl.driver.run import launch, run
 from sparkdl.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -17,8 +18,9 @@ from sparkdl.errors import (
     RunTimeoutError,
     SparkDLError,
 )
-from sparkdl.launch import launch, run
-from sparkdl.metrics import RunResult
+from sparkdl.rank.context import RunContext, context
+from sparkdl.train.state import TrainState
+from sparkdl.train.store import CheckpointStore
 
 if TYPE_CHECKING:
     from sparkdl.ml import TorchEstimator, TorchModel
@@ -47,7 +49,6 @@ __all__ = [
     "run",
     "write_dataset",
 ]
-__version__ = "0.1.0"
 
 # The Spark ML classes subclass pyspark.ml's, so importing them imports pyspark; they load on
 # first use, which keeps ``import sparkdl`` light (and free of pyspark and torch).

@@ -54,11 +54,11 @@ class HorovodRunner:
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
         """Runs ``main(**kwargs)`` on every process; returns the value of the first process (rank 0)."""
         if self.num_processor < 0:
-            from sparkdl.local import run_on_driver
+            from sparkdl.driver.local import run_on_driver
 
             return run_on_driver(main, (), kwargs, num_processes=-self.num_processor, backend="horovod",
                                  config=self._config)
-        from sparkdl.launch import run
+        from sparkdl.driver.run import run
 
         return run(main, num_workers=self.num_processor, backend="horovod", config=self._config, **kwargs)
 
@@ -110,12 +110,12 @@ class TorchDistributor:
         else:
             fn, call_args = train_object, args
         if self.local_mode:
-            from sparkdl.local import run_on_driver
+            from sparkdl.driver.local import run_on_driver
 
             return run_on_driver(fn, call_args, {}, num_processes=self.num_processes, backend="torch",
                                  gpu_ids=_driver_gpus(self.num_processes) if self.use_gpu else None,
                                  config=self._config)
-        from sparkdl.launch import run
+        from sparkdl.driver.run import run
 
         return run(fn, *call_args, num_workers=self.num_processes, backend="torch", use_gpu=self.use_gpu,
                    config=self._config)

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sparkdl.errors import ConfigError
+from sparkdl._validate import int_at_least, positive_seconds
 
-
-def _check_positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        suffix = " or None for no limit" if allow_none else ""
-        raise ConfigError(f"RunConfig.{name} must be a positive number of seconds{suffix}; got {value!r}")
+# Durations in seconds: each must be positive; timeout_s may also be None (no limit).
+_SECONDS = (
+    "start_timeout_s",
+    "slot_wait_s",
+    "collective_timeout_s",
+    "connect_timeout_s",
+    "handshake_timeout_s",
+    "kill_grace_s",
+    "outcome_wait_s",
+    "progress_interval_s",
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +44,8 @@ class RunConfig:
             own ``init_process_group`` call without a timeout): a rank that waits this long in a
             collective fails, and the gang reruns.
         connect_timeout_s: bound on a task's connection to the driver and on its first reply.
+        handshake_timeout_s: how long a peer that connects to the driver's channel has to send
+            its first authenticated message before it is dropped.
         kill_grace_s: after a run is stopped, how long to wait for Spark to end its tasks.
         log_tail_lines: lines of each rank's output kept for the failure report.
         init_process_group: create the default torch process group before calling ``fn``.
@@ -61,7 +61,9 @@ class RunConfig:
             which saves the 1.5 to 2.5 s of importing torch on every later launch. ``False``
             starts every rank as a fresh interpreter.
         stop_on_repeated_error: stop before ``max_attempts`` when a rerun cannot help (see
-            :func:`sparkdl._report.decide`).
+            :func:`sparkdl.driver.report.unrecoverable`).
+        outcome_wait_s: after a rank fails, how long to wait for the other ranks of its attempt
+            to report their own outcome before judging whether a rerun can help.
     """
 
     max_attempts: int | None = None
@@ -70,6 +72,7 @@ class RunConfig:
     slot_wait_s: float = 10.0
     collective_timeout_s: float = 1800.0
     connect_timeout_s: float = 30.0
+    handshake_timeout_s: float = 10.0
     kill_grace_s: float = 30.0
     log_tail_lines: int = 20
     init_process_group: bool = True
@@ -80,34 +83,15 @@ class RunConfig:
     progress_interval_s: float = 5.0
     mlflow: bool | None = None
     prewarm: bool = True
+    outcome_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.max_attempts is not None and (
-            isinstance(self.max_attempts, bool)
-            or not isinstance(self.max_attempts, int)
-            or self.max_attempts < 1
-        ):
-            raise ConfigError(
-                f"max_attempts must be an integer >= 1 (1 means no rerun); got {self.max_attempts!r}"
-            )
-        _check_positive("timeout_s", self.timeout_s, allow_none=True)
-        for name in (
-            "start_timeout_s",
-            "slot_wait_s",
-            "collective_timeout_s",
-            "connect_timeout_s",
-            "kill_grace_s",
-            "progress_interval_s",
-        ):
-            _check_positive(name, getattr(self, name))
-        if isinstance(self.log_tail_lines, bool) or not isinstance(self.log_tail_lines, int) or (
-            self.log_tail_lines < 0
-        ):
-            raise ConfigError(f"RunConfig.log_tail_lines must be an integer >= 0; got {self.log_tail_lines!r}")
-        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints, int) or (
-            self.keep_checkpoints < 1
-        ):
-            raise ConfigError(f"RunConfig.keep_checkpoints must be an integer >= 1; got {self.keep_checkpoints!r}")
+        int_at_least("max_attempts", self.max_attempts, 1, note=" (1 means no rerun)", allow_none=True)
+        positive_seconds("RunConfig.timeout_s", self.timeout_s, allow_none=True)
+        for name in _SECONDS:
+            positive_seconds(f"RunConfig.{name}", getattr(self, name))
+        int_at_least("RunConfig.log_tail_lines", self.log_tail_lines, 0)
+        int_at_least("RunConfig.keep_checkpoints", self.keep_checkpoints, 1)
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` applied and validated, e.g. ``cfg.replace(timeout_s=600)``."""

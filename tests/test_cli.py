@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+import sparkdl.cli.run as cli_run
 from sparkdl import cli
 
 CLI = [sys.executable, "-m", "sparkdl.cli"]
@@ -102,7 +103,7 @@ def test_run_exit_status(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error:
 
     script = tmp_path / "s.py"
     script.write_text("pass\n")
-    monkeypatch.setattr(cli, "_session", lambda *a, **k: Stopped())
+    monkeypatch.setattr(cli_run, "_session", lambda *a, **k: Stopped())
     monkeypatch.setattr(package, "run", failing_run)
     assert cli.main(["run", "-n", "2", str(script)]) == code
     assert Stopped.stopped

@@ -179,7 +179,7 @@ def test_a_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(spar
 
 _WRITER = """
 import sys, torch
-from sparkdl.checkpoint import CheckpointStore
+from sparkdl.train.store import CheckpointStore
 store = CheckpointStore(sys.argv[1])
 store.save({"global_step": 1, "w": torch.zeros(10)})
 print("first", flush=True)

@@ -17,8 +17,10 @@ import torch
 
 import sparkdl
 from sparkdl import ConfigError, Dataset, DatasetError
-from sparkdl.dataset import MANIFEST_NAME
-from sparkdl.feed import Loader, _from_petastorm, _pieces, _rebatch
+from sparkdl.data import MANIFEST_NAME
+from sparkdl.data.loader import Loader
+from sparkdl.data.petastorm import _from_petastorm, _rebatch
+from sparkdl.data.plan import pieces as _pieces
 
 # (rows, rows per row group) of each file: uneven on purpose, with one empty file.
 LAYOUT = [(1000, 300), (37, 10), (1, 1), (0, 1), (2500, 700), (3, 2)]
@@ -460,7 +462,7 @@ def test_petastorm_chunks_are_cut_to_exact_batches() -> None:
 
 
 def test_petastorm_columns_convert_like_arrow_ones() -> None:
-    from sparkdl.dataset import ColumnSpec
+    from sparkdl.data import ColumnSpec
 
     fixed = _from_petastorm(ColumnSpec("x", "array", "float32", 2), np.arange(6, dtype=np.float32).reshape(3, 2))
     assert fixed.to_pylist() == [[0, 1], [2, 3], [4, 5]]
@@ -507,7 +509,7 @@ def test_import_sparkdl_stays_cheap() -> None:
     import subprocess
     import sys
 
-    code = "import sys, sparkdl; print(sorted(m for m in ('pyarrow', 'torch', 'pyspark', 'sparkdl.feed') if m in sys.modules))"
+    code = "import sys, sparkdl; print(sorted(m for m in ('pyarrow', 'torch', 'pyspark', 'sparkdl.data.loader') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert "pyarrow" not in out.stdout and "torch" not in out.stdout and "sparkdl.feed" not in out.stdout
+    assert "pyarrow" not in out.stdout and "torch" not in out.stdout and "sparkdl.data.loader" not in out.stdout
     assert sparkdl.Dataset is Dataset

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from sparkdl._horovod import (
+from sparkdl.backends.horovod_gloo import (
     HorovodSlot,
     check_horovod,
     horovod_env,

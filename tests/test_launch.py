@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import sparkdl
-from sparkdl.launch import _busy_slots
+from sparkdl.driver.cluster import busy_slots
 
 # The rank functions below travel by value, as a notebook's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -245,7 +245,7 @@ def test_slots_busy_with_another_job_are_waited_for_within_slot_wait_s(spark, tm
     blocker.start()
     try:
         deadline = time.monotonic() + 30
-        while _busy_slots(sc) < 1:  # sparkdl's own count of the slots that running tasks hold
+        while busy_slots(sc) < 1:  # sparkdl's own count of the slots that running tasks hold
             assert time.monotonic() < deadline, "the other job never started its task"
             time.sleep(0.1)
         # With the slot still taken when slot_wait_s runs out: a clear error, no task started.
@@ -519,5 +519,5 @@ def test_a_lost_zygote_is_replaced_and_prewarm_false_starts_fresh_interpreters(s
 
     cold = sparkdl.run(gather_rank_descriptions, "cold", num_workers=2, config=FAST.replace(prewarm=False))
     for desc in cold:
-        assert desc["cmdline"][-3:-1] == ["-m", "sparkdl._rank"], desc
+        assert desc["cmdline"][-3:-1] == ["-m", "sparkdl.rank"], desc
         assert desc["parent_name"] != "sparkdl-zygote"

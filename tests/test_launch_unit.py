@@ -12,9 +12,10 @@ import time
 import pytest
 
 import sparkdl
-from sparkdl._channel import ChannelError, ChannelServer, connect
-from sparkdl._report import RankRecord, build_report, decide, root_cause
+from sparkdl.driver.policy import decide
+from sparkdl.driver.report import RankRecord, build_report, root_cause
 from sparkdl.errors import InsufficientSlotsError, RunFailedError, RunTimeoutError
+from sparkdl.wire.channel import ChannelError, ChannelServer, connect
 
 
 @pytest.mark.parametrize(
@@ -143,7 +144,7 @@ def test_channel_rejects_a_replayed_frame() -> None:
     with _server(secret, received) as server:
         raw = socket.create_connection(server.address, timeout=5)
         nonce = raw.recv(16)
-        from sparkdl._channel import FramedConnection
+        from sparkdl.wire.channel import FramedConnection
 
         # Build one valid frame by hand, then send it twice: the second has a stale sequence number.
         helper = FramedConnection.__new__(FramedConnection)

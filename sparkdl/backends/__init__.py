@@ -1,0 +1,41 @@
+"""Distributed backends: what each needs on the driver (a check) and in the rank process (setup).
+
+A backend is chosen by name (``run(..., backend="torch"|"horovod")``); :func:`get_backend` is the
+only way to get one, and it imports nothing heavy until a method is called.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from sparkdl.errors import ConfigError
+from sparkdl.rankspec import GangSpec, RankSpec
+
+
+class Backend(Protocol):
+    name: str
+
+    def check_driver(self) -> None:
+        """Raises BackendUnavailableError, with install instructions, when it cannot run."""
+
+    def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
+        """Prepares the rank process before the user's function is unpickled and called."""
+
+    def teardown_rank(self) -> None:
+        """Releases what setup_rank created; called after the user's function returns."""
+
+
+BACKENDS = ("torch", "horovod")
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``; ConfigError names the valid choices otherwise."""
+    if name == "torch":
+        from sparkdl.backends.torchdist import TorchBackend
+
+        return TorchBackend()
+    if name == "horovod":
+        from sparkdl.backends.hvd import HorovodBackend
+
+        return HorovodBackend()
+    raise ConfigError(f"backend={name!r} is unknown; choose one of {', '.join(map(repr, BACKENDS))}")

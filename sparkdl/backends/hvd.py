@@ -1,0 +1,69 @@
+"""Horovod with its Gloo controller, set up in the rank the way ``horovodrun --gloo`` would."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sparkdl.backends.horovod_gloo import check_horovod, horovod_env, start_rendezvous_server
+from sparkdl.rankspec import GangSpec, RankSpec, read_fd
+
+
+class HorovodBackend:
+    """Horovod with its Gloo controller, set up the way ``horovodrun --gloo`` would.
+
+    Rank 0 serves Horovod's rendezvous store on the socket the launcher bound to its task's own
+    address (the store has no authentication, so it never listens on every interface, and it
+    lives only as long as the rank). Every rank gets the ``HOROVOD_*`` environment, so user
+    code calls ``hvd.init()``, ``hvd.DistributedOptimizer`` and ``hvd.broadcast_parameters``
+    unchanged.
+    """
+
+    name = "horovod"
+
+    def __init__(self) -> None:
+        self._stop_server: Any = None
+
+    def check_driver(self) -> None:
+        check_horovod()
+
+    def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
+        import socket
+
+        import torch
+
+        if use_cuda:
+            torch.cuda.set_device(0)
+        hosts = list(gang.hosts)
+        isolated = bool(spec.gpu_ids)
+        port = gang.master_port
+        if spec.rank == 0:
+            store_fd = read_fd("store")
+            if store_fd is None:
+                raise RuntimeError("rank 0 was started without the store's socket (internal error)")
+            listener = socket.socket(fileno=store_fd)
+            port, self._stop_server = start_rendezvous_server(
+                gang.master_addr, hosts, listener=listener, isolated_devices=isolated
+            )
+        os.environ.update(
+            horovod_env(
+                spec.rank,
+                hosts,
+                gang.master_addr,
+                port,
+                os.environ.get("GLOO_SOCKET_IFNAME"),
+                timeout_s=spec.collective_timeout_s,
+                isolated_devices=isolated,
+            )
+        )
+
+    def teardown_rank(self) -> None:
+        try:
+            import horovod.torch as hvd
+
+            if hvd.is_initialized():
+                hvd.shutdown()
+        finally:
+            if self._stop_server is not None:
+                self._stop_server()
+                self._stop_server = None

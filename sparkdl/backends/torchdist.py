@@ -1,0 +1,129 @@
+"""torch.distributed: gloo on CPU, NCCL (with gloo for CPU tensors) on GPU.
+
+Rank 0 hosts the TCPStore of the gang, on a socket the launcher bound to the task's own address,
+and ``init_process_group()`` from the environment joins it. The backend then creates the default
+process group, unless the run's config says not to.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import timedelta
+from typing import Any
+
+from sparkdl.errors import BackendUnavailableError
+from sparkdl.rankspec import GangSpec, RankSpec, read_fd
+
+
+class TorchBackend:
+    """torch.distributed: gloo on CPU, NCCL (with gloo for CPU tensors) on GPU."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._store: Any = None
+
+    def check_driver(self) -> None:
+        try:
+            import torch.distributed as dist
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"backend='torch' needs PyTorch, which cannot be imported here ({exc}). "
+                "Install it, e.g. pip install torch==2.13.0"
+            ) from exc
+        if not dist.is_available():
+            raise BackendUnavailableError(
+                "backend='torch' needs torch.distributed, but this torch build has none; "
+                "install an official torch build"
+            )
+
+    def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
+        import torch
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=spec.collective_timeout_s)
+        if spec.rank == 0:
+            store_fd = read_fd("store")
+            if store_fd is None:
+                raise RuntimeError("rank 0 was started without the store's socket (internal error)")
+            # The launcher bound this socket to the task's own address: the store, which has no
+            # authentication, never listens on every interface and never races for a port.
+            self._store = dist.TCPStore(
+                gang.master_addr,
+                gang.master_port,
+                spec.world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=store_fd,
+            )
+        # init_process_group() from the environment then connects to that store as a client.
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        if use_cuda:
+            torch.cuda.set_device(0)
+        _install_init_hook(timeout, use_cuda)
+        if spec.init_process_group:
+            backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+            _ORIGINAL_INIT[0](backend=backend, timeout=timeout)
+            _all_ranks_connected(use_cuda)
+
+    def teardown_rank(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+
+_ORIGINAL_INIT: list[Any] = []
+
+
+def _install_init_hook(default_timeout: timedelta, use_cuda: bool) -> None:
+    """Makes the user's own ``dist.init_process_group(...)`` work alongside sparkdl's group.
+
+    Code written for torchrun calls ``init_process_group`` itself. When sparkdl already created
+    the default group, the call is accepted and reuses it (a timeout it passes is applied);
+    otherwise the call goes through, with the run's collective timeout as its default.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if _ORIGINAL_INIT:
+        return
+    original = c10d.init_process_group
+    _ORIGINAL_INIT.append(original)
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        timeout = args[2] if len(args) > 2 else kwargs.get("timeout")
+        if dist.is_initialized():
+            if timeout is not None and hasattr(c10d, "_set_pg_timeout"):
+                c10d._set_pg_timeout(timeout)
+            return None
+        if timeout is None and len(args) <= 2:
+            kwargs["timeout"] = default_timeout
+        original(*args, **kwargs)
+        _all_ranks_connected(use_cuda)
+        return None
+
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+
+def _all_ranks_connected(use_cuda: bool) -> None:
+    """Returns once every rank has finished creating the process group.
+
+    Rank 0 serves the rendezvous store, and Gloo's full-mesh connect can leave rank 0 done while
+    a peer still reads its last keys. Without this barrier, a bug that makes rank 0 raise at once
+    kills the store under that peer, which then fails with a connection error instead of the
+    same exception: the run reports a misleading cause and reruns a bug that every rank shares.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if use_cuda and "nccl" in str(dist.get_backend()):
+        # NCCL's barrier otherwise guesses the device from the rank number.
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()

@@ -1,0 +1,141 @@
+"""The doctor's checks that need a Spark session: executors, task slots, executors' Python, GPUs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from sparkdl.cli.probe import probe_executors
+from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def _wait_for_executors(sc: Any, wanted: int, timeout_s: float) -> int:
+    """Executors registered with the driver, waiting up to ``timeout_s`` for ``wanted`` of them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = max(0, len(sc._jsc.sc().statusTracker().getExecutorInfos()) - 1)  # minus the driver
+        if count >= wanted or time.monotonic() > deadline:
+            return count
+        time.sleep(0.25)
+
+
+def _settled_slots(sc: Any, wanted: int, timeout_s: float, settle_s: float = 5.0) -> int | None:
+    """Task slots once executors stop registering: ``wanted`` reached, or no change for ``settle_s``."""
+    from sparkdl.driver.cluster import task_slots
+
+    deadline = time.monotonic() + timeout_s
+    last, since = task_slots(sc), time.monotonic()
+    while last is not None and last < wanted and time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = task_slots(sc)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            break
+    return last
+
+
+def check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | None], num_workers: int,
+                  timeout_s: float, driver_gpus: list[str]) -> None:
+    """Adds the session, executor, slot, executor-package and GPU-scheduling rows to ``report``.
+
+    ``driver`` holds the driver's package versions, which the executors' are compared with;
+    ``timeout_s`` bounds the wait for executors and the probe job (``--timeout``).
+    """
+    from sparkdl.driver.cluster import busy_slots, task_slots
+
+    sc = spark.sparkContext
+    conf = sc.getConf()
+    local = (sc.master or "").startswith("local")
+    report.add("spark session", OK, f"Spark {spark.version}, master {sc.master}")
+    if not local:
+        executors = _wait_for_executors(sc, 1, min(timeout_s / 2, 30.0))
+        if executors == 0:
+            report.add("executors", ERROR, executors="none registered", problem=f"no executor registered with {sc.master}",
+                       fix="check that the cluster has free cores and memory for spark.executor.cores/memory, "
+                       "and that executors can reach the driver (spark.driver.host)")
+            return
+        if conf.get("spark.dynamicAllocation.enabled", "false") == "true":
+            report.add("dynamic allocation", ERROR, problem="barrier stages (sparkdl.run) do not support dynamic allocation",
+                       fix="--conf spark.dynamicAllocation.enabled=false")
+    total = _settled_slots(sc, num_workers, min(timeout_s / 2, 30.0)) if not local else task_slots(sc)
+    busy = busy_slots(sc)
+    slots_text = f"{total} total, {max((total or 0) - busy, 0)} free; need {num_workers}" if total is not None else "unknown"
+    if total is not None and total - busy < num_workers:
+        gpu = conf.get("spark.task.resource.gpu.amount", None)
+        report.add("task slots", ERROR, executors=slots_text,
+                   problem=f"sparkdl.run(num_workers={num_workers}) needs {num_workers} free task slots at once; "
+                   f"the cluster has {total - busy} (spark.task.cpus={conf.get('spark.task.cpus', '1')}"
+                   + (f", spark.task.resource.gpu.amount={gpu}" if gpu else "") + ")",
+                   fix="lower num_workers, or add executors/cores (spark.executor.instances, spark.executor.cores, "
+                   "local[N]), or lower spark.task.cpus")
+    else:
+        report.add("task slots", OK, executors=slots_text)
+
+    partitions = max(total or 1, 1) * 2
+    try:
+        rows = probe_executors(spark, partitions, timeout_s)
+    except TimeoutError as exc:
+        report.add("executor python", ERROR, problem=str(exc),
+                   fix="the cluster is busy or its executors cannot start Python; see the executor logs")
+        return
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        report.add("executor python", ERROR, problem=f"a probe task failed: {first}",
+                   fix="set spark.pyspark.python (or PYSPARK_PYTHON on the workers) to a Python with pyspark, "
+                   "torch and sparkdl installed")
+        return
+    envs = {r["executor"]: r for r in rows}
+    report.add("executors", OK, executors=f"{len(envs)} reached ({len({r['host'] for r in rows})} host(s))")
+    _compare(report, driver, list(envs.values()))
+    _check_executor_gpus(report, conf, list(envs.values()), driver_gpus)
+
+
+def _compare(report: Report, driver: dict[str, str | None], envs: list[dict[str, Any]]) -> None:
+    """Sets the executors' column of each package row, and flags what differs from the driver."""
+    n = len(envs)
+    required = ("python", "pyspark", "torch", "pyarrow", "numpy", "pandas", "cloudpickle", "sparkdl")
+    for name in (*required, "horovod", "petastorm"):
+        seen = sorted({str(e.get(name)) for e in envs})
+        text = ", ".join(f"{v} on {sum(str(e.get(name)) == v for e in envs)}/{n}" for v in seen)
+        row = next((c for c in report.checks if c.name == name), None) or report.add(name, INFO)
+        row.executors = text.replace("None", "missing")
+        missing = [e["executor"] for e in envs if e.get(name) is None]
+        differs = [e["executor"] for e in envs if e.get(name) is not None and e.get(name) != driver.get(name)]
+        exe = envs[0]["executable"] if envs else "?"
+        if name in required and missing:
+            row.status, row.problem = ERROR, f"missing in the executors' Python ({exe}) on {', '.join(missing[:3])}"
+            row.fix = f"install it there, or point spark.pyspark.python at a Python that has it (the driver uses {sys.executable})"
+        elif name == "python" and any(version_tuple(str(e["python"]))[:2] != version_tuple(str(driver["python"]))[:2] for e in envs):
+            row.status, row.problem = ERROR, "the executors run another Python minor version than the driver: pickled functions break"
+            row.fix = "use the same Python on the driver and the executors (spark.pyspark.python, spark.pyspark.driver.python)"
+        elif differs and name not in ("horovod", "petastorm"):
+            if row.status == OK:
+                row.status = WARN
+            row.problem = row.problem or f"the executors have another version than the driver ({driver.get(name)})"
+            row.fix = row.fix or "install the same versions everywhere (constraints/*.txt pins them)"
+
+
+def _check_executor_gpus(report: Report, conf: Any, envs: list[dict[str, Any]], driver_gpus: list[str]) -> None:
+    amount = conf.get("spark.task.resource.gpu.amount", None)
+    if not amount:
+        if driver_gpus:
+            report.add("gpu scheduling", INFO, problem="spark.task.resource.gpu.amount is unset: sparkdl.run trains on CPUs",
+                       fix="to use GPUs, set the confs in conf/spark-defaults.gpu.conf (with conf/gpu-discovery.sh)")
+        return
+    without = [e["executor"] for e in envs if not e.get("task_gpus")]
+    unusable = [e["executor"] for e in envs if e.get("task_gpus") and (e.get("cuda_devices") or 0) < 1]
+    if without:
+        report.add("gpu scheduling", ERROR, executors=f"no GPU assigned on {len(without)}/{len(envs)}",
+                   problem=f"spark.task.resource.gpu.amount={amount} but tasks got no GPU address",
+                   fix="set spark.executor.resource.gpu.amount and a discovery script (conf/gpu-discovery.sh) on the executors")
+    elif unusable:
+        report.add("gpu scheduling", ERROR, executors=f"torch sees no CUDA device on {len(unusable)}/{len(envs)}",
+                   problem="Spark assigns GPUs but the executors' torch cannot use them",
+                   fix="install a CUDA build of torch on the executors, and check the NVIDIA driver there")
+    else:
+        report.add("gpu scheduling", OK, executors=f"GPU per task: {amount}; assigned on {len(envs)}/{len(envs)}")

@@ -1,0 +1,186 @@
+"""``sparkdl doctor``: a pre-flight check of the driver, then of the cluster.
+
+The driver's checks (Java, the packages sparkdl needs, Horovod and Petastorm, GPUs) run here
+without Spark; :func:`doctor` then starts a session and adds the cluster's rows
+(:mod:`sparkdl.cli.cluster`), prints the table and exits 1 when any row is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sparkdl.cli.cluster import check_cluster
+from sparkdl.cli.options import EXIT_FAILED, EXIT_OK, spark_confs
+from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
+from sparkdl.session import create_session
+
+MIN_JAVA = 17
+# pyspark 4's Arrow paths (mapInArrow, Arrow UDFs), which sparkdl uses, need this pyarrow.
+MIN_PYARROW_FOR_SPARK4 = (18, 0)
+
+
+def parse_java_version(text: str) -> int | None:
+    """The major version in ``java -version`` output: ``"17.0.15"`` -> 17, ``"1.8.0_292"`` -> 8."""
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
+    if not match:
+        return None
+    major = int(match.group(1))
+    return int(match.group(2) or 0) if major == 1 else major
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _check_java(report: Report) -> None:
+    java_home = os.environ.get("JAVA_HOME")
+    java = str(Path(java_home) / "bin" / "java") if java_home and (Path(java_home) / "bin" / "java").exists() else shutil.which("java")
+    fix = f"install Java {MIN_JAVA} (e.g. apt-get install openjdk-{MIN_JAVA}-jre-headless) and put it on PATH or set JAVA_HOME"
+    if java is None:
+        report.add("java", ERROR, "not found", problem="no java on PATH and no JAVA_HOME: Spark cannot start", fix=fix)
+        return
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+        major = parse_java_version(out.stderr + out.stdout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        report.add("java", ERROR, java, problem=f"{java} -version failed: {exc}", fix=fix)
+        return
+    if major is None:
+        report.add("java", ERROR, java, problem=f"cannot read the version of {java}", fix=fix)
+    elif major < MIN_JAVA:
+        report.add("java", ERROR, f"{major} ({java})", problem=f"Java {major} is too old: sparkdl needs Java >= {MIN_JAVA}", fix=fix)
+    else:
+        report.add("java", OK, f"{major} ({java})")
+
+
+def _driver_versions() -> dict[str, str | None]:
+    """Versions of what sparkdl needs, from the installed distributions (nothing is imported)."""
+    names = ("pyspark", "torch", "pyarrow", "numpy", "pandas", "cloudpickle", "sparkdl", "horovod", "petastorm")
+    return {"python": ".".join(map(str, sys.version_info[:3])), **{n: _dist_version(n) for n in names}}
+
+
+def _check_driver_packages(report: Report, versions: dict[str, str | None]) -> None:
+    report.add("python", OK, f"{versions['python']} ({sys.executable})")
+    for name, why in (("sparkdl", "everything"), ("pyspark", "Spark"), ("torch", "training"), ("pyarrow", "the data path"),
+                      ("numpy", "tensors"), ("pandas", "Arrow UDFs"), ("cloudpickle", "shipping functions")):
+        version = versions[name]
+        if version is None:
+            report.add(name, ERROR, "missing", problem=f"{name} is not installed in {sys.executable}; sparkdl needs it for {why}",
+                       fix=f"pip install {name} (see constraints/*.txt for the tested versions)")
+        else:
+            report.add(name, OK, version)
+    spark, arrow = versions["pyspark"], versions["pyarrow"]
+    if spark and arrow and version_tuple(spark)[:1] >= (4,) and version_tuple(arrow)[:2] < MIN_PYARROW_FOR_SPARK4:
+        report.set("pyarrow", ERROR, f"pyspark {spark} needs pyarrow >= {'.'.join(map(str, MIN_PYARROW_FOR_SPARK4))} for its Arrow features",
+                   "pip install 'pyarrow>=18', or use the classic stack (pyspark 3.5) for an older pyarrow")
+    pandas = versions["pandas"]
+    if spark and pandas and version_tuple(spark)[:1] >= (4,) and version_tuple(pandas)[:1] >= (3,):
+        report.set("pandas", WARN, f"pyspark {spark} warns about pandas {pandas}", "pip install 'pandas<3'")
+    try:
+        from pyspark.find_spark_home import _find_spark_home
+
+        report.add("SPARK_HOME", OK, _find_spark_home())
+    except Exception as exc:  # pyspark missing or broken: already reported above
+        report.add("SPARK_HOME", WARN, "unknown", problem=f"cannot locate Spark: {exc}")
+
+
+def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
+    hvd = versions["horovod"]
+    if hvd is None:
+        report.add("horovod", INFO, "not installed", problem="optional: needed only for backend='horovod' and HorovodRunner",
+                   fix="SPARKDL_WITH_HOROVOD=1 bash tools/bootstrap.sh builds it against this torch")
+    else:
+        try:
+            from sparkdl.backends.horovod_gloo import check_horovod
+
+            check_horovod()
+            report.add("horovod", OK, hvd)
+        except Exception as exc:
+            report.add("horovod", WARN, hvd, problem=f"installed but unusable: {exc}",
+                       fix="rebuild Horovod with PyTorch and Gloo (tools/build-horovod.sh)")
+    peta = versions["petastorm"]
+    if peta is None:
+        report.add("petastorm", INFO, "not installed", problem="optional: needed only for ds.loader(reader='petastorm')",
+                   fix="use the classic stack (constraints/classic.txt: pyspark 3.5, pyarrow 14)")
+        return
+    probe = subprocess.run([sys.executable, "-c", "import petastorm.reader"], capture_output=True, text=True, timeout=120)
+    if probe.returncode == 0:
+        report.add("petastorm", OK, peta)
+    else:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        report.add("petastorm", WARN, peta, problem=f"installed but does not import ({last})",
+                   fix="petastorm needs pyarrow < 15: use the classic stack (constraints/classic.txt)")
+
+
+def _driver_gpus() -> tuple[list[str], str]:
+    """GPUs nvidia-smi lists on this machine, and a line about torch's view of CUDA."""
+    gpus: list[str] = []
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+            gpus = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        except (OSError, subprocess.TimeoutExpired):
+            gpus = []
+    try:
+        import torch
+
+        torch_view = f"torch sees {torch.cuda.device_count()} (CUDA {torch.version.cuda or 'none: CPU build'})"
+    except Exception as exc:
+        torch_view = f"torch unusable: {exc}"
+    return gpus, torch_view
+
+
+def _check_gpus(report: Report) -> list[str]:
+    gpus, torch_view = _driver_gpus()
+    if not gpus:
+        report.add("gpus", INFO, f"none (nvidia-smi: {'absent' if not shutil.which('nvidia-smi') else '0 GPUs'}); {torch_view}")
+    elif "CPU build" in torch_view or torch_view.startswith("torch sees 0"):
+        report.add("gpus", WARN, f"{len(gpus)} GPU(s); {torch_view}",
+                   problem="nvidia-smi lists GPUs but torch cannot use them",
+                   fix="install a CUDA build of torch: SPARKDL_TORCH_INDEX=https://download.pytorch.org/whl/cu126 bash tools/bootstrap.sh")
+    else:
+        report.add("gpus", OK, f"{len(gpus)}: {'; '.join(gpus)}; {torch_view}")
+    return gpus
+
+
+def doctor(args: argparse.Namespace) -> int:
+    """``sparkdl doctor``: prints the table and the problems; 1 when there is an error."""
+    report = Report()
+    _check_java(report)
+    versions = _driver_versions()
+    _check_driver_packages(report, versions)
+    _check_optional(report, versions)
+    gpus = _check_gpus(report)
+    java_ok = all(c.status != ERROR for c in report.checks if c.name in ("java", "pyspark"))
+    if args.no_spark:
+        pass
+    elif not java_ok:
+        report.add("spark session", ERROR, problem="skipped: fix Java and pyspark first")
+    else:
+        spark = None
+        try:
+            spark = create_session(args.master, spark_confs(args), "sparkdl-doctor", "local[*]")
+            spark.sparkContext.setLogLevel("ERROR")
+            check_cluster(report, spark, versions, args.num_workers, args.timeout, gpus)
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            report.add("spark session", ERROR, problem=f"Spark failed: {first}",
+                       fix="check --master and the confs; the driver's log above has the details")
+        finally:
+            if spark is not None:
+                spark.stop()
+    # The report is the command's output, not a diagnostic.
+    print(report.render())
+    return EXIT_FAILED if report.errors() else EXIT_OK

@@ -1,0 +1,101 @@
+"""The doctor's Spark job: what each executor's Python has, reported back to the driver.
+
+This module imports nothing from sparkdl, and :func:`probe_executors` ships it by value: the
+probe runs, and says what is missing, on executors where sparkdl itself is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def _executor_probe(_: Any) -> Iterator[dict[str, Any]]:
+    """Runs in an executor's Python worker: what sparkdl cares about there. Self-contained."""
+    import importlib.metadata as md
+    import os
+    import socket
+    import sys
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    facts: dict[str, Any] = {
+        "host": socket.gethostname(),
+        # The Python worker's parent is the executor's pyspark daemon: one per executor.
+        "executor": f"{socket.gethostname()}:{os.getppid()}",
+        "python": ".".join(map(str, sys.version_info[:3])),
+        "executable": sys.executable,
+    }
+    for name in ("pyspark", "torch", "pyarrow", "numpy", "pandas", "cloudpickle", "sparkdl", "horovod", "petastorm"):
+        facts[name] = version(name)
+    try:
+        import pyspark
+
+        facts["pyspark"] = pyspark.__version__  # the pyspark this worker runs, maybe Spark's own zip
+    except Exception:
+        pass
+    try:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        res = ctx.resources() if ctx is not None else {}
+        facts["task_gpus"] = list(res["gpu"].addresses) if "gpu" in res else []
+    except Exception:
+        facts["task_gpus"] = []
+    facts["cuda_devices"] = None
+    if facts["task_gpus"] and facts["torch"]:
+        try:
+            import torch
+
+            facts["cuda_devices"] = torch.cuda.device_count()
+        except Exception:
+            facts["cuda_devices"] = -1
+    yield facts
+
+
+def probe_executors(spark: SparkSession, partitions: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Runs the probe on ``partitions`` tasks within ``timeout_s``; cancels the job after that.
+
+    Returns one dict per task (host, executor, Python, package versions, task GPUs). Raises
+    ``TimeoutError`` naming ``--timeout`` when the tasks did not all run in time, and re-raises
+    the job's own error when a task failed.
+    """
+    from pyspark import cloudpickle as spark_cloudpickle
+
+    sc = spark.sparkContext
+    group = f"sparkdl-doctor-{os.getpid()}"
+    box: dict[str, Any] = {}
+
+    def job() -> None:
+        try:
+            sc.setJobGroup(group, "sparkdl doctor: executor environment", interruptOnCancel=True)
+            box["rows"] = sc.parallelize(range(partitions), partitions).mapPartitions(_executor_probe).collect()
+        except BaseException as exc:
+            box["error"] = exc
+
+    # By value, so that the probe runs (and reports) even where sparkdl is not installed.
+    module = sys.modules[__name__]
+    spark_cloudpickle.register_pickle_by_value(module)
+    try:
+        thread = threading.Thread(target=job, name="sparkdl-doctor-probe", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+    finally:
+        spark_cloudpickle.unregister_pickle_by_value(module)
+    if thread.is_alive():
+        sc.cancelJobGroup(group)
+        thread.join(10)
+        raise TimeoutError(f"the executors did not run {partitions} probe tasks within {timeout_s:g} s (--timeout)")
+    if "error" in box:
+        raise box["error"]
+    return list(box["rows"])

@@ -1,0 +1,76 @@
+"""``sparkdl run``: an existing torch.distributed script on N gang-scheduled Spark workers.
+
+Every rank runs the script as ``__main__`` with the command's ``sys.argv``, as ``torchrun``
+would; the exit status says how the run ended (see :mod:`sparkdl.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sparkdl.cli.options import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, spark_confs
+from sparkdl.session import create_session
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def run_script(source: str, path: str, argv: list[str], cwd: str) -> None:
+    """Runs in each rank: the script as ``__main__``, from the driver's directory when it exists here.
+
+    Like torchrun, the script's own directory comes first on ``sys.path`` (for its sibling
+    modules) and relative paths resolve against the directory the command was started in, when
+    this host has those directories (local mode, shared file systems).
+    """
+    from sparkdl.compat import run_script_source
+
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+    script_dir = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(script_dir) and script_dir not in sys.path:
+        sys.path.insert(0, script_dir)
+    run_script_source(source, path, argv)
+
+
+def _session(args: argparse.Namespace, script: Path, confs: Mapping[str, str]) -> SparkSession:
+    # One seam for the session, which tests replace to check exit statuses without a JVM.
+    return create_session(args.master, confs, f"sparkdl-run-{script.name}", f"local[{args.num_workers}]")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``sparkdl run``: the script on ``-n`` gang-scheduled Spark workers."""
+    import sparkdl
+
+    path = Path(args.script)
+    # What goes to stderr below is the command's answer to its user, not a diagnostic.
+    if not path.is_file():
+        print(f"sparkdl run: {args.script}: no such file", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config = sparkdl.RunConfig(
+            max_attempts=args.max_attempts, timeout_s=args.timeout, start_timeout_s=args.start_timeout,
+        )
+        confs = spark_confs(args)
+    except sparkdl.ConfigError as exc:
+        print(f"sparkdl run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    spark = _session(args, path, confs)
+    try:
+        sparkdl.run(
+            run_script, path.read_text(), str(path.resolve()), list(args.script_args), os.getcwd(),
+            num_workers=args.num_workers, use_gpu=args.gpu, config=config, spark=spark,
+        )
+    except sparkdl.RunTimeoutError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_TIMEOUT
+    except sparkdl.SparkDLError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        spark.stop()
+    return EXIT_OK

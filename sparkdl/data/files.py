@@ -1,0 +1,167 @@
+"""A dataset's files as a loader reads them, and the reader of their row groups.
+
+:class:`ParquetFiles` is the part of a :class:`~sparkdl.Dataset` that ranks read through: the
+URL, the manifest, and the filesystem, opened again wherever the object is unpickled.
+``Dataset`` is the public handle built on it; the loader needs only this part, so the reading
+side does not depend on the handle, nor on ``write_dataset``.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sparkdl.data.manifest import ColumnSpec, Manifest
+from sparkdl.errors import DatasetError
+from sparkdl.storage import filesystem, redact
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+
+class ParquetFiles:
+    """Where a dataset's Parquet files are, their manifest, and how to open them.
+
+    Pickles to plain values (URL, storage options, manifest); the filesystem is opened again,
+    on first use, where the object lands.
+
+    Args:
+        url: the dataset's URL, as :func:`sparkdl.storage.normalize_url` gives it.
+        storage_options: keyword arguments for an fsspec filesystem, or ``None``.
+        manifest: the layout every rank plans from.
+        single_file: ``url`` is one Parquet file rather than a directory.
+        opened: the filesystem and root path of ``url``, when the caller has them already.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None,
+        manifest: Manifest,
+        *,
+        single_file: bool,
+        opened: tuple[pafs.FileSystem, str] | None = None,
+    ) -> None:
+        self._url = url
+        self._storage_options = dict(storage_options) if storage_options else None
+        self._manifest = manifest
+        self._single_file = single_file
+        self._fs: pafs.FileSystem | None = None
+        if opened is not None:
+            self._fs, self._root = opened
+
+    @property
+    def url(self) -> str:
+        """The dataset's URL (local paths as absolute ``file://`` URLs)."""
+        return self._url
+
+    @property
+    def manifest(self) -> Manifest:
+        """Columns, files, row groups and row counts."""
+        return self._manifest
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """URLs of the data files, in the order the loader numbers rows."""
+        if self._single_file:
+            return (self._url,)
+        return tuple(f"{self._url}/{f.path}" for f in self._manifest.files)
+
+    # -- pickling: plain values only; the filesystem is opened again where the handle lands ----
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "url": self._url,
+            "storage_options": self._storage_options,
+            "manifest": self._manifest,
+            "single_file": self._single_file,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._url = state["url"]
+        self._storage_options = state["storage_options"]
+        self._manifest = state["manifest"]
+        self._single_file = state["single_file"]
+        self._fs = None
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _filesystem(self) -> tuple[pafs.FileSystem, str]:
+        if self._fs is None:
+            self._fs, self._root = filesystem(self._url, self._storage_options)
+        return self._fs, self._root
+
+    def _open_file(self, index: int) -> pq.ParquetFile:
+        """The ``index``-th data file of the manifest, opened for reading."""
+        import pyarrow.parquet as pq
+
+        fs, root = self._filesystem()
+        rel = self._manifest.files[index].path
+        full = root if self._single_file else posixpath.join(root, rel)
+        try:
+            return pq.ParquetFile(fs.open_input_file(full))
+        except Exception as exc:
+            raise DatasetError(
+                f"cannot open {redact(self._url)}/{rel}: {type(exc).__name__}: {exc}. The dataset "
+                "changed since its manifest was taken, or the storage is unreachable"
+            ) from exc
+
+
+class RowGroupReader:
+    """Reads row groups, keeping the last one (windows often split a row group) and a few open files.
+
+    Row group ``g`` is the ``g``-th of the whole dataset: ``rg_file[g]`` is its file,
+    ``rg_index[g]`` its index in that file and ``rg_rows[g]`` the rows the manifest records.
+    """
+
+    _OPEN_FILES = 8
+
+    def __init__(
+        self,
+        files: ParquetFiles,
+        rg_file: np.ndarray,
+        rg_index: np.ndarray,
+        rg_rows: np.ndarray,
+        columns: Sequence[ColumnSpec],
+    ) -> None:
+        self._source = files
+        self._rg_file, self._rg_index, self._rg_rows = rg_file, rg_index, rg_rows
+        self._names = [c.name for c in columns]
+        self._files: dict[int, pq.ParquetFile] = {}
+        self._last: tuple[int, pa.Table] | None = None
+        self._last_file = 0
+
+    def row_group(self, g: int) -> pa.Table:
+        """Row group ``g``'s selected columns; DatasetError when it cannot be read or changed."""
+        if self._last is not None and self._last[0] == g:
+            return self._last[1]
+        f = int(self._rg_file[g])
+        self._last_file = f
+        handle = self._files.pop(f, None) or self._source._open_file(f)
+        self._files[f] = handle  # most recently used last
+        while len(self._files) > self._OPEN_FILES:
+            self._files.pop(next(iter(self._files)))
+        try:
+            table = handle.read_row_group(int(self._rg_index[g]), columns=self._names, use_threads=True)
+        except Exception as exc:
+            raise DatasetError(
+                f"cannot read row group {int(self._rg_index[g])} of {self.where()}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if table.num_rows != int(self._rg_rows[g]):
+            raise DatasetError(
+                f"{self.where()}: row group {int(self._rg_index[g])} has {table.num_rows} rows, the "
+                f"manifest {int(self._rg_rows[g])}; the files changed after the Dataset was opened. "
+                "Open it again (or rewrite it) and restart"
+            )
+        self._last = (g, table)
+        return table
+
+    def where(self) -> str:
+        """The file last read, for messages."""
+        f = self._source.manifest.files[self._last_file].path
+        return f"{redact(self._source.url)}/{f}" if f else redact(self._source.url)

@@ -1,0 +1,372 @@
+"""The loader: one rank's shard of a :class:`~sparkdl.Dataset`, as batches of torch tensors.
+
+Every epoch is planned from the manifest alone (rows per row group), so every rank knows, before
+it reads a byte, how many rows and batches it gets; the plan is the same on every rank because
+the manifest travels inside the pickled ``Dataset``. How an epoch is planned:
+
+1. The row groups of all files are put in an order: file order, or, with ``shuffle``, a
+   permutation seeded by ``(seed, epoch)``. Concatenated in that order they form the epoch's
+   stream of ``N`` rows.
+2. Rank ``r`` of ``W`` takes the ``r``-th of ``W`` equal, contiguous ranges of that stream, so
+   every rank reads about ``1/W`` of the data and nothing else.
+3. With ``shuffle``, each rank's range is cut into windows of ``shuffle_window`` rows (a multiple
+   of the batch size that spans several row groups), and the rows of each window are permuted
+   (seeded by ``(seed, epoch, rank, window)``). Batches are consecutive runs of that order.
+
+The remainder policy (``drop_last``):
+
+- ``drop_last=True``: each rank gets ``floor(N / (W * batch_size))`` full batches. The last
+  ``N mod (W * batch_size)`` rows of the epoch's stream are dropped; with ``shuffle`` they are
+  other rows every epoch.
+- ``drop_last=False`` (the default, like ``torch.utils.data.DistributedSampler``): each rank gets
+  ``ceil(N / W)`` rows; the stream wraps around to its start for the ``W * ceil(N / W) - N`` (< W)
+  rows that are missing, so those rows are seen twice. The last batch of every rank has
+  ``ceil(N / W) - (len - 1) * batch_size`` rows, the same on every rank.
+
+Either way ``len(loader)`` is the same on every rank, by construction.
+
+Output: a ``dict`` from column name to
+
+- a 1-D tensor for numeric columns (int8/16/32/64, float16/32/64, bool);
+- a 2-D ``[batch, length]`` tensor for fixed-length numeric arrays (and ML vectors);
+- for variable-length numeric arrays, a 2-D tensor padded with zeros to the longest row of the
+  batch, plus ``"<name>_lengths"``, an int64 tensor of the true lengths (a null array is empty);
+- a list of ``bytes`` for binary columns and of ``str`` for strings (``None`` for nulls), unless
+  ``transform`` turns them into tensors.
+
+Numeric columns must not hold nulls: the loader stops with :class:`~sparkdl.DatasetError` naming
+the column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sparkdl.data.files import ParquetFiles
+from sparkdl.data.manifest import ARRAY, UNSUPPORTED, ColumnSpec, Manifest
+from sparkdl.data.petastorm import check_petastorm, petastorm_batches
+from sparkdl.data.plan import EpochPlan
+from sparkdl.data.prefetch import Iteration
+from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker, arrow_batches
+from sparkdl.errors import ConfigError, NotInRunError
+
+_STATE_VERSION = 1
+
+
+class Loader:
+    """An iterable over one rank's batches of one epoch at a time; made by :meth:`Dataset.loader`.
+
+    Iterating plays the current epoch from the current position. When an iteration runs to its
+    end, the loader moves to the next epoch, position 0, so plain repeated ``for`` loops see
+    epoch after epoch. ``set_epoch(e)`` moves to epoch ``e`` (position 0) unless the loader is
+    already in epoch ``e``: then it keeps its position, so that a position restored with
+    :meth:`load_state_dict` survives the usual ``set_epoch`` call at the top of an epoch loop.
+
+    Shuffle: see the module docstring. The default ``shuffle_window`` is 4 times the rows of the
+    largest row group, at most 128 MiB of uncompressed data, and at least one batch. A window is
+    then rounded to a multiple of ``batch_size`` and evened out so that the rank's share is cut
+    into windows of equal size (``loader.shuffle_window`` tells the result). Memory held is about
+    three windows (the one being served, the one being read ahead, one row group) plus
+    ``prefetch`` batches, the same in every epoch.
+
+    Resume: :meth:`state_dict` records the epoch and the number of batches this loader has
+    yielded in it; after :meth:`load_state_dict` the next iteration yields exactly the batches
+    that were not yet yielded, in the same order as the uninterrupted run. Every rank takes the
+    same number of steps, so rank 0's state restores every rank.
+
+    With ``reader="petastorm"``, batches come from Petastorm's ``make_batch_reader`` with
+    ``cur_shard=rank, shard_count=world_size`` and are cut to ``batch_size``; the loader stops
+    every rank after ``len(loader)`` batches (computed from the manifest as above), reading its
+    shard again from its start if it runs short. That keeps the equal-steps guarantee and the
+    output format, but not exact coverage: Petastorm shards by row groups, which may hold
+    unequal rows. Resume skips the batches already yielded, which repeats the same batches only
+    when Petastorm's own order is deterministic (``petastorm_workers=1``).
+
+    The arguments are those of :meth:`Dataset.loader`; ``dataset`` may be any
+    :class:`~sparkdl.data.files.ParquetFiles`, of which ``Dataset`` is one.
+    """
+
+    def __init__(
+        self,
+        dataset: ParquetFiles,
+        batch_size: int,
+        *,
+        epoch: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        columns: Sequence[str] | None = None,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        reader: str = "arrow",
+        transform: Callable[[Batch], Batch] | None = None,
+        prefetch: int = 4,
+        shuffle_window: int | None = None,
+        device: Any = None,
+        pin_memory: bool | None = None,
+        petastorm_workers: int = 2,
+    ) -> None:
+        _check_int("batch_size", batch_size, 1)
+        _check_int("epoch", epoch, 0)
+        _check_int("seed", seed, 0)
+        _check_int("prefetch", prefetch, 0)
+        _check_int("petastorm_workers", petastorm_workers, 1)
+        if shuffle_window is not None:
+            _check_int("shuffle_window", shuffle_window, 1)
+        if reader not in ("arrow", "petastorm"):
+            raise ConfigError(f"reader={reader!r}: choose 'arrow' (sparkdl's reader) or 'petastorm'")
+        if transform is not None and not callable(transform):
+            raise ConfigError(f"transform must be callable (batch dict -> batch dict); got {type(transform).__name__}")
+        rank, world_size = _resolve_rank(rank, world_size)
+        selected = _select_columns(dataset.manifest, columns)
+        pin = _resolve_pin(device, pin_memory)
+        self._plan = EpochPlan(
+            dataset.manifest,
+            dataset.url,
+            batch_size,
+            shuffle=bool(shuffle),
+            seed=seed,
+            drop_last=bool(drop_last),
+            rank=rank,
+            world_size=world_size,
+            shuffle_window=shuffle_window,
+        )
+        if reader == "petastorm":
+            check_petastorm(self._plan, selected)
+        # What the reader thread needs, and nothing that refers back to this loader, so that
+        # dropping the loader stops its thread.
+        self._files = dataset
+        self._make = BatchMaker(selected, pin, transform)
+        self._reader = reader
+        self._petastorm_workers = petastorm_workers
+        self._prefetch = prefetch
+        self._epoch = epoch
+        self._step = 0
+        self._active: Iteration | None = None
+
+    # -- what the plan gives ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch; the same on every rank."""
+        return self._plan.steps
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration plays."""
+        return self._epoch
+
+    @property
+    def step(self) -> int:
+        """Batches of the current epoch already yielded."""
+        return self._step
+
+    @property
+    def rank(self) -> int:
+        """This rank, 0 .. world_size - 1."""
+        return self._plan.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks sharing the dataset."""
+        return self._plan.world_size
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per batch (the last batch of an epoch may have fewer, with ``drop_last=False``)."""
+        return self._plan.batch_size
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows each rank sees per epoch (repeats included, dropped rows excluded)."""
+        return self._plan.per_rank
+
+    @property
+    def shuffle_window(self) -> int:
+        """Rows shuffled together (also the unit of reading)."""
+        return self._plan.window
+
+    def plan(self, epoch: int) -> list[tuple[int, int, int, int]]:
+        """This rank's share of ``epoch`` as ``(file index, row group, start, stop)`` pieces.
+
+        The pieces are in stream order, before the shuffle window permutes rows among them.
+        """
+        return self._plan.pieces_of_share(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Moves to ``epoch`` at position 0, unless the loader is already in ``epoch``."""
+        _check_int("epoch", epoch, 0)
+        if epoch != self._epoch:
+            self._close_active()
+            self._epoch = epoch
+            self._step = 0
+
+    # -- resume ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: plain values, picklable and JSON-able; the same on every rank."""
+        p = self._plan
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "step": self._step,
+            "steps_per_epoch": p.steps,
+            "batch_size": p.batch_size,
+            "world_size": p.world_size,
+            "drop_last": p.drop_last,
+            "shuffle": p.shuffle,
+            "seed": p.seed,
+            "shuffle_window": p.window,
+            "reader": self._reader,
+            "dataset": self._files.manifest.fingerprint(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a position from :meth:`state_dict`; the next iteration resumes there.
+
+        Raises:
+            ConfigError: the state was taken with other settings (batch size, world size,
+                shuffle, seed, window, reader) or on another dataset layout.
+        """
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                "load_state_dict got something that is not a state from Loader.state_dict() of this "
+                f"sparkdl version (version {state.get('version') if isinstance(state, Mapping) else None!r})"
+            )
+        mine = self.state_dict()
+        for key in ("batch_size", "world_size", "drop_last", "shuffle", "seed", "shuffle_window", "reader", "dataset"):
+            if state.get(key) != mine[key]:
+                what = "dataset layout (files, row groups, columns)" if key == "dataset" else key
+                raise ConfigError(
+                    f"cannot resume: the saved state has {what}={state.get(key)!r} and this loader "
+                    f"{mine[key]!r}; create the loader with the settings (and on the data) of the "
+                    "run that saved the state"
+                )
+        epoch, step, steps = state.get("epoch"), state.get("step"), self._plan.steps
+        if not isinstance(epoch, int) or not isinstance(step, int) or epoch < 0 or not 0 <= step <= steps:
+            raise ConfigError(f"the saved state has epoch={epoch!r}, step={step!r}, out of range for {steps} steps")
+        self._close_active()
+        self._epoch, self._step = (epoch + 1, 0) if step == steps else (epoch, step)
+
+    # -- iteration -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the background reader of an unfinished iteration (``break`` out of a loop keeps it
+        waiting, with its prefetched batches, until the loader is dropped or iterated again).
+        The position is kept; iterating again resumes from it."""
+        self._close_active()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._close_active()
+        batches: Iterator[Batch]
+        if self._reader == "petastorm":
+            batches = petastorm_batches(
+                self._files.url, self._plan, self._make, self._petastorm_workers, self._epoch, self._step
+            )
+        else:
+            batches = arrow_batches(
+                self._files, self._plan, self._make, self._epoch, self._step, read_ahead=self._prefetch > 0
+            )
+        self._active = Iteration(batches, self._prefetch, on_batch=self._consumed, on_end=self._finished)
+        return self._active
+
+    def _close_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def _consumed(self, it: Iteration) -> None:
+        if self._active is it:
+            self._step += 1
+
+    def _finished(self, it: Iteration) -> None:
+        if self._active is it:
+            self._epoch += 1
+            self._step = 0
+            self._active = None
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigError(f"{name}={value!r}: give an integer >= {minimum}")
+
+
+def _select_columns(manifest: Manifest, columns: Sequence[str] | None) -> tuple[ColumnSpec, ...]:
+    if isinstance(columns, str):
+        columns = [columns]
+    names = list(columns) if columns is not None else [c.name for c in manifest.columns]
+    if not names:
+        raise ConfigError("columns=[] selects nothing; name at least one column, or leave columns out for all")
+    known = {c.name for c in manifest.columns}
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise ConfigError(f"columns {missing} are not in the dataset; its columns are {sorted(known)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"columns={names} names a column twice")
+    specs = tuple(manifest.column(n) for n in names)
+    bad = [f"{c.name!r} ({c.dtype})" for c in specs if c.kind == UNSUPPORTED]
+    if bad:
+        feedable = [c.name for c in manifest.columns if c.kind != UNSUPPORTED]
+        raise ConfigError(
+            f"the column(s) {', '.join(bad)} cannot be fed to torch (supported: numbers, numeric "
+            f"arrays, binary, strings); pass columns=[...] without them, e.g. columns={feedable}"
+        )
+    for c in specs:
+        if c.kind == ARRAY and c.length is None and c.name + LENGTHS_SUFFIX in names:
+            raise ConfigError(
+                f"the variable-length column {c.name!r} comes with a {c.name + LENGTHS_SUFFIX!r} tensor, "
+                "and the dataset has a column of that name too; leave one of them out with columns=[...]"
+            )
+    return specs
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if (rank is None) != (world_size is None):
+        raise ConfigError(
+            f"pass both rank and world_size, or neither (got rank={rank!r}, world_size={world_size!r}); "
+            "without them they come from sparkdl.context() or torch.distributed"
+        )
+    if rank is None or world_size is None:
+        from sparkdl.rank.context import context
+
+        try:
+            ctx = context()
+            return ctx.rank, ctx.world_size
+        except NotInRunError:
+            pass
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    _check_int("world_size", world_size, 1)
+    _check_int("rank", rank, 0)
+    if rank >= world_size:
+        raise ConfigError(f"rank={rank} must be below world_size={world_size}")
+    return int(rank), int(world_size)
+
+
+def _resolve_pin(device: Any, pin_memory: bool | None) -> bool:
+    import torch
+
+    if pin_memory is not None:
+        return bool(pin_memory) and torch.cuda.is_available()
+    if device is None:
+        from sparkdl.rank.context import context
+
+        try:
+            device = context().device
+        except NotInRunError:
+            return False
+    return bool(torch.device(device).type == "cuda" and torch.cuda.is_available())
+
+
+__all__ = ["LENGTHS_SUFFIX", "Batch", "Loader"]

@@ -1,0 +1,143 @@
+"""What the driver asks of the Spark cluster before a run: slots, GPUs, addresses, directories.
+
+Every function takes the ``SparkContext`` (or its conf) and reads; none starts a job.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from sparkdl.config import RunConfig
+from sparkdl.errors import ConfigError, InsufficientSlotsError
+
+DEFAULT_STAGE_ATTEMPTS = 4
+
+
+def resolve_gpu(conf: Any, use_gpu: bool | None) -> bool:
+    """Whether ranks get GPUs: ``use_gpu``, or (when None) whether Spark assigns GPUs to tasks."""
+    amount = conf.get("spark.task.resource.gpu.amount", None)
+    has_task_gpus = amount is not None and float(amount) > 0
+    if use_gpu is None:
+        return has_task_gpus
+    if use_gpu and not has_task_gpus:
+        raise ConfigError(
+            "use_gpu=True but 'spark.task.resource.gpu.amount' is unset, so Spark assigns no GPU to "
+            "tasks. Set spark.task.resource.gpu.amount=1, spark.executor.resource.gpu.amount and "
+            "spark.executor.resource.gpu.discoveryScript (conf/spark-defaults.gpu.conf shows them), "
+            "or pass use_gpu=False"
+        )
+    return bool(use_gpu)
+
+
+def stage_attempts(conf: Any) -> int:
+    """How often Spark itself runs a failed barrier stage (``spark.stage.maxConsecutiveAttempts``)."""
+    return int(conf.get("spark.stage.maxConsecutiveAttempts", str(DEFAULT_STAGE_ATTEMPTS)))
+
+
+def task_slots(sc: Any) -> int | None:
+    """Task slots of the cluster for the default resource profile (cores, GPUs and spark.task.cpus)."""
+    try:
+        jsc = sc._jsc.sc()
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        return int(jsc.maxNumConcurrentTasks(profile))
+    except Exception:
+        return None
+
+
+def busy_slots(sc: Any) -> int:
+    """Task slots that running stages hold now."""
+    tracker = sc.statusTracker()
+    busy = 0
+    for stage_id in tracker.getActiveStageIds():
+        info = tracker.getStageInfo(stage_id)
+        if info is not None:
+            busy += info.numActiveTasks
+    return busy
+
+
+def check_cluster(sc: Any, num_workers: int, cfg: RunConfig) -> None:
+    """Returns once ``num_workers`` slots are free at once; InsufficientSlotsError after ``slot_wait_s``."""
+    conf = sc.getConf()
+    master = sc.master
+    if not master.startswith("local") and conf.get("spark.dynamicAllocation.enabled", "false") == "true":
+        raise ConfigError(
+            "Spark's barrier mode, which sparkdl.run uses, does not support dynamic allocation: "
+            "set spark.dynamicAllocation.enabled=false for this application"
+        )
+    deadline = time.monotonic() + cfg.slot_wait_s
+    while True:
+        total = task_slots(sc)
+        if total is None:
+            return
+        free = total - busy_slots(sc)
+        if free >= num_workers:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    task_cpus = conf.get("spark.task.cpus", "1")
+    gpu_part = ""
+    if conf.get("spark.task.resource.gpu.amount", None):
+        gpu_part = (
+            f", spark.task.resource.gpu.amount={conf.get('spark.task.resource.gpu.amount')} and "
+            f"spark.executor.resource.gpu.amount={conf.get('spark.executor.resource.gpu.amount', 'unset')}"
+        )
+    raise InsufficientSlotsError(
+        f"num_workers={num_workers} needs {num_workers} task slots at once, but the cluster has "
+        f"{total} (master {master}, spark.task.cpus={task_cpus}{gpu_part}) of which {free} are free "
+        f"after waiting {cfg.slot_wait_s:g} s (RunConfig.slot_wait_s). Lower num_workers, or add "
+        "executors or cores (spark.executor.instances, spark.executor.cores, local[N]), or lower "
+        "spark.task.cpus",
+        required=num_workers,
+        available=max(free, 0),
+    )
+
+
+def driver_bind_host(sc: Any) -> str:
+    """The address tasks reach the driver on: loopback in local mode, spark.driver.host otherwise."""
+    host = sc.getConf().get("spark.driver.host", None) or os.environ.get("SPARK_LOCAL_IP") or "127.0.0.1"
+    if sc.master.startswith("local[") or sc.master == "local":
+        host = os.environ.get("SPARK_LOCAL_IP", host)
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def run_dir(conf: Any, run_id: str) -> str:
+    """The run's directory: ``<spark.sparkdl.runDir>/<run id>`` (default under the temp dir)."""
+    runs = conf.get("spark.sparkdl.runDir", None) or os.path.join(tempfile.gettempdir(), "sparkdl-runs")
+    return f"{runs.rstrip('/')}/{run_id}"
+
+
+def local_metrics_path(run_dir: str, run_id: str) -> Path:
+    """The metrics file: in the run's directory when that is local, else in a local one."""
+    parts = urlsplit(run_dir)
+    if len(parts.scheme) <= 1:
+        return Path(run_dir) / "metrics.jsonl"
+    if parts.scheme == "file":
+        return Path(parts.path) / "metrics.jsonl"
+    return Path(tempfile.gettempdir()) / "sparkdl-runs" / run_id / "metrics.jsonl"
+
+
+def mlflow_enabled(conf: Any, cfg: RunConfig) -> bool:
+    """RunConfig.mlflow, else ``spark.sparkdl.mlflow.enabled``; ConfigError when on without mlflow."""
+    wanted = cfg.mlflow
+    if wanted is None:
+        wanted = str(conf.get("spark.sparkdl.mlflow.enabled", "false")).lower() == "true"
+    if not wanted:
+        return False
+    try:
+        import mlflow  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "MLflow logging is on (RunConfig.mlflow or spark.sparkdl.mlflow.enabled) but mlflow is "
+            "not installed: pip install mlflow-skinny, or turn it off"
+        ) from exc
+    return True

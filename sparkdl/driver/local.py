@@ -1,0 +1,176 @@
+"""Ranks as processes on the driver alone, without Spark tasks: for development and notebooks.
+
+This backs ``HorovodRunner(np=-N)`` and ``TorchDistributor(local_mode=True)``. Each rank is the
+same rank process as on a cluster, started the same way (:class:`~sparkdl.task.rankproc.RankProcess`),
+with the same environment, lifeline, output relay, metrics and clean-up, and watched by the same
+monitor and failure policy, so code that runs here runs on the cluster too. There is no gang
+rerun on the driver: a failure ends the run with the same report as ``sparkdl.run``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sparkdl._validate import int_at_least
+from sparkdl.backends import get_backend
+from sparkdl.config import RunConfig
+from sparkdl.driver import policy
+from sparkdl.driver.launcher import Job, Launcher, pickle_payload
+from sparkdl.driver.monitor import Monitor
+from sparkdl.driver.progress import MetricsLog, Progress
+from sparkdl.driver.report import build_report
+from sparkdl.errors import ConfigError, RunFailedError, RunTimeoutError
+from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
+from sparkdl.task.rankproc import RankProcess
+from sparkdl.task.spawn import read_error
+from sparkdl.wire.messages import Exited, Gang, Hello, LogLine, Metric, RankState, Started
+
+_HOST = "127.0.0.1"
+# After the first failure, the other ranks get this long to record their own outcome.
+_SETTLE_S = 0.5
+
+
+class _MonitorSink:
+    """A rank's output straight into the driver's monitor (no channel on the driver)."""
+
+    def __init__(self, monitor: Monitor, rank: int) -> None:
+        self._monitor = monitor
+        self._rank = rank
+
+    def line(self, stream: str, text: str) -> bool:
+        self._monitor.log(0, self._rank, LogLine(stream, text))
+        return True
+
+    def metric(self, record: dict[str, Any]) -> bool:
+        self._monitor.metric(0, self._rank, Metric(record))
+        return True
+
+
+class LocalLauncher(Launcher):
+    """``world_size`` rank processes on this machine; ``gpu_ids``: one per rank, or None for CPU."""
+
+    def __init__(self, gpu_ids: list[str] | None) -> None:
+        self.gpu_ids = gpu_ids
+
+    def launch(self, job: Job, monitor: Monitor) -> bytes:
+        run = job.run
+        cfg = run.config
+        root = Path(tempfile.mkdtemp(prefix=f"sparkdl-local-{run.run_id}-"))
+        listener = socket.create_server((_HOST, 0), backlog=1024)
+        hosts = [_HOST] * run.world_size
+        procs: list[RankProcess] = []
+        try:
+            for rank in range(run.world_size):
+                workdir = root / f"rank-{rank}"
+                workdir.mkdir()
+                gpus = [self.gpu_ids[rank]] if self.gpu_ids is not None else []
+                spec = RankSpec.of(run, rank=rank, host=_HOST, gpu_ids=gpus, task_pid=os.getpid())
+                # The gang is known before the rank starts: it joins at once, as attempt 0.
+                monitor.hello(("local", rank), Hello(_HOST, os.getpid(), rank))
+                monitor.join(("local", rank), rank, Gang(tuple(range(run.world_size))))
+                proc = RankProcess(
+                    spec, workdir, job.fn_bytes, _MonitorSink(monitor, rank),
+                    store=listener if rank == 0 else None, prewarm=False,
+                    start_timeout_s=cfg.connect_timeout_s, tail_lines=cfg.log_tail_lines,
+                )
+                procs.append(proc)
+                proc.tell_gang(GangSpec.form(spec, attempt=0, hosts=hosts, master_port=listener.getsockname()[1]))
+                monitor.rank_event(0, rank, Started(proc.pid))
+            listener.close()
+            return _wait(procs, monitor, cfg, root)
+        finally:
+            for proc in procs:
+                proc.close()
+            listener.close()
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _watch(proc: RankProcess, monitor: Monitor) -> None:
+    code = proc.wait()
+    if code != 0 and monitor.stopping is not None:
+        return  # stopped by the driver after another rank failed: it stays "stopped while running"
+    error, tb = read_error(proc.workdir) if code != 0 else (None, None)
+    exit_signal = -code if code < 0 else None
+    # Reported at exit, not when the loop notices: the root cause is the first rank to exit.
+    monitor.rank_event(0, proc.spec.rank, Exited(None if exit_signal else code, exit_signal, error, tb))
+
+
+def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path) -> bytes:
+    watchers = [threading.Thread(target=_watch, args=(p, monitor), daemon=True) for p in procs]
+    for t in watchers:
+        t.start()
+    started = time.monotonic()
+    verdict: policy.Verdict | None = None
+    with monitor.cond:
+        while not all(r.state is RankState.SUCCEEDED for r in monitor.records.values()):
+            verdict = monitor.check(started)
+            if verdict.decision is policy.Decision.STOP:
+                break
+            monitor.cond.wait(timeout=0.25)
+    if verdict is None or verdict.decision is not policy.Decision.STOP:
+        for t in watchers:
+            t.join(timeout=10)
+        return (root / "rank-0" / "result.pkl").read_bytes()
+    # One rank down means the others would wait on it: stop them, then report.
+    time.sleep(_SETTLE_S)
+    monitor.stopping = verdict.reason
+    for proc in procs:
+        proc.kill()
+    for t in watchers:
+        t.join(timeout=10)
+    records = monitor.sorted_records()
+    if verdict.timed_out:
+        why = f"the run on the driver took longer than timeout_s={cfg.timeout_s:g} s (RunConfig.timeout_s)"
+        report, _ = build_report(records, headline=f"sparkdl stopped: {why}.", hint="Raise timeout_s if the run needs longer.")
+        raise RunTimeoutError(report, attempts=1, root_cause=why)
+    report, root_line = build_report(
+        records,
+        headline=f"the run on the driver failed ({len(procs)} local processes; no reruns on the driver).",
+        hint="Fix the root cause above; on a cluster, sparkdl.run reruns failed gangs.",
+    )
+    raise RunFailedError(report, attempts=1, root_cause=root_line)
+
+
+def run_on_driver(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    num_processes: int,
+    backend: str = "torch",
+    gpu_ids: list[str] | None = None,
+    config: RunConfig | None = None,
+) -> Any:
+    """Runs ``fn`` on ``num_processes`` local rank processes; returns rank 0's return value.
+
+    ``gpu_ids``: the driver's GPU addresses to hand out, one per rank, or None for CPU.
+    """
+    cfg = config or RunConfig()
+    int_at_least("the number of processes", num_processes, 1)
+    if gpu_ids is not None and len(gpu_ids) < num_processes:
+        raise ConfigError(
+            f"{num_processes} processes need {num_processes} GPUs on the driver, but "
+            f"spark.driver.resource.gpu lists {len(gpu_ids)} ({gpu_ids}); lower the number of processes"
+        )
+    get_backend(backend).check_driver()
+    fn_bytes = pickle_payload(fn, args, kwargs)
+    run_id = secrets.token_hex(6)
+    run = RunSpec(
+        run_id=run_id, world_size=num_processes, backend=backend, use_gpu=gpu_ids is not None,
+        checkpoint_url=os.path.join(tempfile.gettempdir(), "sparkdl-runs", run_id, "checkpoints"), config=cfg,
+    )
+    progress = Progress(cfg.progress_interval_s, cfg.progress)
+    monitor = Monitor(num_processes, 1, cfg, None, MetricsLog(None), progress)
+    try:
+        return LocalLauncher(gpu_ids).run(Job(run, fn_bytes, max_attempts=1), monitor)
+    finally:
+        progress.finish()

@@ -1,0 +1,226 @@
+"""What the driver knows about every rank of every attempt, fed by typed events.
+
+Both launchers feed the same :class:`Monitor`: the Spark launcher through the authenticated
+channel (:meth:`Monitor.on_message`, :meth:`Monitor.on_close`), the driver-local launcher by
+calling the event methods directly. The monitor keeps each rank's :class:`RankRecord`, echoes
+output with a rank tag, keeps the tail for the failure report, hands metrics to the metrics log
+and the progress line, and turns its state into a :class:`~sparkdl.driver.policy.Snapshot` for
+the failure policy.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Hashable
+
+from sparkdl.config import RunConfig
+from sparkdl.driver import policy
+from sparkdl.driver.progress import MetricsLog, Progress
+from sparkdl.driver.report import RankRecord
+from sparkdl.train.store import CheckpointStore
+from sparkdl.wire.channel import FramedConnection, Message
+from sparkdl.wire.messages import (
+    Exited,
+    Gang,
+    GoAhead,
+    Hello,
+    LogLine,
+    Metric,
+    RankState,
+    Started,
+    decode,
+)
+
+
+class Monitor:
+    """Thread-safe; ``cond`` is notified on every change of a rank's state."""
+
+    def __init__(
+        self,
+        num_workers: int,
+        max_attempts: int,
+        cfg: RunConfig,
+        store: CheckpointStore | None,
+        metrics: MetricsLog,
+        progress: Progress,
+    ) -> None:
+        self.num_workers = num_workers
+        self.max_attempts = max_attempts
+        self.cfg = cfg
+        self.store = store
+        self.metrics = metrics
+        self.progress = progress
+        self.cond = threading.Condition()
+        self.records: dict[tuple[int, int], RankRecord] = {}
+        self.stopping: str | None = None
+        self.gave_up: str | None = None
+        self.succeeded = False
+        self._hellos: dict[Hashable, Hello] = {}
+        self._joined: dict[Hashable, tuple[int, int]] = {}
+        self._gangs: dict[tuple[int, ...], int] = {}
+        self._partial: dict[tuple[int, int, str], str] = {}
+        self._start_seq: dict[int, int | None] = {}
+        self._judged: set[int] = set()
+        self._last_trouble = time.monotonic()
+        self._running_since: float | None = None
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def attempts_seen(self) -> int:
+        with self.cond:
+            return len(self._gangs)
+
+    def hello(self, key: Hashable, msg: Hello) -> None:
+        with self.cond:
+            self._hellos[key] = msg
+            self.cond.notify_all()
+
+    def join(self, key: Hashable, rank: int, msg: Gang) -> GoAhead:
+        """A task's gang formed: its attempt number, or why it must not run."""
+        with self.cond:
+            hello = self._hellos.pop(key, None)
+            attempt = self._gangs.setdefault(msg.tids, len(self._gangs))
+            refuse = self.stopping or (
+                f"attempt {attempt} exceeds max_attempts={self.max_attempts}" if attempt >= self.max_attempts else None
+            )
+            if refuse:
+                return GoAhead(False, reason=refuse)
+            rec = RankRecord(attempt=attempt, rank=rank, host=hello.host if hello else "?")
+            rec.task_pid = hello.task_pid if hello else None
+            self.records[(attempt, rank)] = rec
+            self._joined[key] = (attempt, rank)
+            if sum(1 for (a, _) in self.records if a == attempt) == self.num_workers:
+                self._running_since = time.monotonic()
+            self.cond.notify_all()
+            return GoAhead(True, attempt=attempt)
+
+    def rank_event(self, attempt: int, rank: int, msg: Started | Exited) -> None:
+        with self.cond:
+            rec = self.records[(attempt, rank)]
+            if isinstance(msg, Started):
+                rec.pid = msg.pid
+                rec.state = RankState.RUNNING
+            else:
+                rec.exit_code, rec.signal = msg.code, msg.signal
+                if msg.succeeded:
+                    rec.state = RankState.SUCCEEDED
+                else:
+                    rec.state = RankState.FAILED
+                    rec.error, rec.traceback = msg.error, msg.traceback
+                    rec.failed_at = time.monotonic()
+                    self._trouble()
+            self.cond.notify_all()
+
+    def closed(self, key: Hashable) -> None:
+        """A task's connection ended: a rank that had not reported its end is lost."""
+        with self.cond:
+            self._hellos.pop(key, None)
+            joined = self._joined.pop(key, None)
+            if joined is None:
+                return
+            rec = self.records[joined]
+            if rec.state in (RankState.STARTING, RankState.RUNNING) and self.stopping is None:
+                rec.state = RankState.LOST
+                rec.failed_at = time.monotonic()
+                self._trouble()
+            self.cond.notify_all()
+
+    def _trouble(self) -> None:
+        # A failure ends the attempt; the clock for the next gang to start runs from here.
+        self._last_trouble = time.monotonic()
+        self._running_since = None
+
+    def log(self, attempt: int, rank: int, msg: LogLine) -> None:
+        pkey = (attempt, rank, msg.stream)
+        if msg.more:
+            self._partial[pkey] = self._partial.get(pkey, "") + msg.text
+            return
+        line = self._partial.pop(pkey, "") + msg.text
+        with self.cond:
+            rec = self.records.get((attempt, rank))
+            if rec is not None and self.cfg.log_tail_lines:
+                rec.tail.append(line)
+                del rec.tail[: -self.cfg.log_tail_lines]
+        if self.cfg.echo_logs:
+            tag = f"[rank {rank}]" if attempt == 0 else f"[rank {rank}, attempt {attempt}]"
+            out = sys.stderr if msg.stream == "e" else sys.stdout
+            out.write(f"{tag} {line}\n")
+            out.flush()
+
+    def metric(self, attempt: int, rank: int, msg: Metric) -> None:
+        # The rank and attempt are the sender's; the record cannot claim others.
+        record = {**msg.record, "rank": rank, "attempt": attempt}
+        self.metrics.add(record)
+        self.progress.update(record)
+
+    # ---- the channel ----------------------------------------------------------------------
+
+    def on_message(self, conn: FramedConnection, frame: Message) -> None:
+        """A frame from a Spark task (already authenticated): decoded, then handled."""
+        env = decode(frame)
+        msg = env.message
+        if isinstance(msg, LogLine):
+            self.log(env.attempt, env.rank, msg)
+        elif isinstance(msg, Metric):
+            self.metric(env.attempt, env.rank, msg)
+        elif isinstance(msg, Hello):
+            self.hello(id(conn), msg)
+        elif isinstance(msg, Gang):
+            conn.send(self.join(id(conn), env.rank, msg).encode())
+        else:
+            self.rank_event(env.attempt, env.rank, msg)
+
+    def on_close(self, conn: FramedConnection, reason: str | None) -> None:
+        self.closed(id(conn))
+
+    # ---- the policy -----------------------------------------------------------------------
+
+    def check(self, job_started: float) -> policy.Verdict:
+        """The policy's verdict now; call with ``cond`` held."""
+        for attempt in range(len(self._gangs)):
+            if attempt not in self._start_seq:
+                self._start_seq[attempt] = self._latest_checkpoint()
+        snap = self._snapshot(job_started, progressed={})
+        # The checkpoint store is read only for the failed attempts that can be judged now.
+        ready = {v.attempt for v in snap.attempts if policy.ready_to_judge(v, snap, self.cfg)}
+        if ready:
+            latest = self._latest_checkpoint()
+            snap = self._snapshot(job_started, progressed={a: latest != self._start_seq.get(a) for a in ready})
+        verdict = policy.judge(snap, self.cfg)
+        self._judged.update(verdict.judged)
+        if verdict.gave_up:
+            self.gave_up = verdict.gave_up
+        return verdict
+
+    def _snapshot(self, job_started: float, progressed: dict[int, bool]) -> policy.Snapshot:
+        by_attempt: dict[int, list[RankRecord]] = {a: [] for a in range(len(self._gangs))}
+        for (a, _), rec in self.records.items():
+            by_attempt.setdefault(a, []).append(rec)
+        views = tuple(
+            policy.AttemptView(a, tuple(recs), judged=a in self._judged, progressed=progressed.get(a))
+            for a, recs in sorted(by_attempt.items())
+        )
+        return policy.Snapshot(
+            now=time.monotonic(),
+            job_started=job_started,
+            last_trouble=self._last_trouble,
+            running_since=self._running_since,
+            waiting_tasks=len(self._hellos),
+            num_workers=self.num_workers,
+            max_attempts=self.max_attempts,
+            attempts=views,
+        )
+
+    def _latest_checkpoint(self) -> int | None:
+        if self.store is None:
+            return None
+        try:
+            return self.store.latest()
+        except Exception:
+            return None
+
+    def sorted_records(self) -> list[RankRecord]:
+        with self.cond:
+            return sorted(self.records.values(), key=lambda r: (r.attempt, r.rank))

@@ -1,0 +1,194 @@
+"""The failure policy of a run: from a frozen snapshot of its attempts to a decision.
+
+No clock, no I/O, no Spark: the monitor (:mod:`sparkdl.driver.monitor`) polls what the ranks
+reported into a :class:`Snapshot` (reading the checkpoint store only for the attempts that
+:func:`ready_to_judge` names), and :func:`judge` maps it to a :class:`Verdict`: keep waiting, or
+stop the Spark job now, and why, quoting the setting that bounds it. Spark itself reruns the gang
+while its stage attempts last; :func:`after_job` decides whether a new Spark job continues the
+count when they ran out first. Every time it uses is a :class:`~sparkdl.config.RunConfig` field.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sparkdl.config import RunConfig
+from sparkdl.driver.report import RankRecord, error_key, root_cause
+from sparkdl.wire.messages import RankState
+
+
+class Decision(enum.Enum):
+    WAIT = "wait"  # the job goes on; Spark reruns a failed gang by itself
+    STOP = "stop"  # stop the job now and report
+    RERUN = "rerun"  # start a new Spark job for the next attempt
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: Decision
+    reason: str | None = None
+    timed_out: bool = False
+    # Why a rerun cannot help, when that is the reason to stop (RunConfig.stop_on_repeated_error).
+    gave_up: str | None = None
+    # Failed attempts now found worth a rerun: they are not judged again.
+    judged: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AttemptView:
+    """One attempt (one gang that formed) as the driver saw it."""
+
+    attempt: int
+    ranks: tuple[RankRecord, ...]
+    judged: bool = False
+    # Whether a new checkpoint was saved since the attempt began; None when not read.
+    progressed: bool | None = None
+
+    @property
+    def failed(self) -> bool:
+        return any(r.failed for r in self.ranks)
+
+    def first_failure(self) -> float | None:
+        return min((r.failed_at for r in self.ranks if r.failed_at is not None), default=None)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A run's state at one moment (times from one monotonic clock, in seconds)."""
+
+    now: float
+    job_started: float
+    last_trouble: float
+    running_since: float | None  # when all ranks of the current attempt had joined; None meanwhile
+    waiting_tasks: int  # tasks that checked in but have not joined a gang
+    num_workers: int
+    max_attempts: int
+    attempts: tuple[AttemptView, ...]
+
+    def previous(self, view: AttemptView) -> tuple[RankRecord, ...]:
+        earlier = [a for a in self.attempts if a.attempt == view.attempt - 1]
+        return earlier[0].ranks if earlier else ()
+
+
+def decide(failed_attempt: int, max_attempts: int) -> str:
+    """Retry policy: ``"rerun"`` while attempts remain after ``failed_attempt``, else ``"stop"``."""
+    return "rerun" if failed_attempt + 1 < max_attempts else "stop"
+
+
+# Errors in the program itself: raised the same way by every rank, a rerun meets them again.
+PROGRAM_ERRORS = frozenset({
+    "TypeError",
+    "NameError",
+    "AttributeError",
+    "ImportError",
+    "ModuleNotFoundError",
+    "SyntaxError",
+    "IndentationError",
+    "NotImplementedError",
+    "UnboundLocalError",
+})
+
+
+def _error_type(error: str | None) -> str:
+    head = (error or "").split(":", 1)[0].strip()
+    return head.rsplit(".", 1)[-1]
+
+
+def unrecoverable(
+    attempt: Sequence[RankRecord], previous: Sequence[RankRecord], *, progressed: bool
+) -> str | None:
+    """Why rerunning the gang after this failed attempt cannot help, or None when it may.
+
+    A rerun is skipped only when the attempt made no progress (saved no new checkpoint) and
+    either every rank failed with the same error of a kind that is a bug in the program
+    (``TypeError``, ``NameError``, ...), or the attempt failed with the same root cause as the
+    attempt before it. Anything else (a crash, a signal, a lost executor, a timeout in a
+    collective, a one-off error on one rank) is worth a rerun.
+    """
+    if progressed or not attempt:
+        return None
+    errors = {error_key(r.error) for r in attempt if r.state is RankState.FAILED and r.error}
+    all_failed = all(r.state is RankState.FAILED and r.error for r in attempt)
+    if all_failed and len(errors) == 1:
+        kind = _error_type(attempt[0].error)
+        if kind in PROGRAM_ERRORS:
+            return f"every rank raised the same {kind} ({attempt[0].error}); a rerun would raise it again"
+    root, before = root_cause(list(attempt)), root_cause(list(previous))
+    if (
+        root is not None
+        and before is not None
+        and root.error
+        and error_key(root.error) == error_key(before.error or "")
+    ):
+        return (
+            f"attempt {root.attempt} failed with the same root cause as attempt {before.attempt} "
+            f"({root.error}) and saved no checkpoint in between"
+        )
+    return None
+
+
+def ready_to_judge(view: AttemptView, snapshot: Snapshot, cfg: RunConfig) -> bool:
+    """Whether a failed attempt can be judged now: every rank reported its outcome, the next gang
+    formed already, or ``cfg.outcome_wait_s`` passed since its first failure."""
+    if not view.failed or view.judged or not cfg.stop_on_repeated_error:
+        return False
+    ended = all(r.state.ended for r in view.ranks)
+    first = view.first_failure()
+    waited = first is not None and snapshot.now - first > cfg.outcome_wait_s
+    return ended or view.attempt + 1 < len(snapshot.attempts) or waited
+
+
+def judge(snapshot: Snapshot, cfg: RunConfig) -> Verdict:
+    """Keep waiting, or stop the job (attempts used up, a rerun cannot help, or a bound passed)."""
+    judged: list[int] = []
+    for view in sorted(snapshot.attempts, key=lambda v: v.attempt):
+        if not view.failed:
+            continue
+        if decide(view.attempt, snapshot.max_attempts) == "stop":
+            return Verdict(
+                Decision.STOP,
+                f"attempt {view.attempt} failed and max_attempts={snapshot.max_attempts} are used up",
+            )
+        if not ready_to_judge(view, snapshot, cfg) or view.progressed is None:
+            continue
+        why = unrecoverable(view.ranks, snapshot.previous(view), progressed=view.progressed)
+        if why is not None:
+            return Verdict(
+                Decision.STOP,
+                f"not rerunning the gang: {why} (RunConfig.stop_on_repeated_error)",
+                gave_up=why,
+            )
+        judged.append(view.attempt)
+    if snapshot.running_since is None:
+        waiting = snapshot.now - max(snapshot.last_trouble, snapshot.job_started)
+        if waiting > cfg.start_timeout_s:
+            return Verdict(
+                Decision.STOP,
+                f"only {snapshot.waiting_tasks} of {snapshot.num_workers} ranks started within "
+                f"start_timeout_s={cfg.start_timeout_s:g} s (RunConfig.start_timeout_s); "
+                "the cluster's task slots may be busy with other jobs",
+                timed_out=True,
+                judged=tuple(judged),
+            )
+    elif cfg.timeout_s is not None and snapshot.now - snapshot.running_since > cfg.timeout_s:
+        return Verdict(
+            Decision.STOP,
+            f"the attempt ran longer than timeout_s={cfg.timeout_s:g} s (RunConfig.timeout_s)",
+            timed_out=True,
+            judged=tuple(judged),
+        )
+    return Verdict(Decision.WAIT, judged=tuple(judged))
+
+
+def after_job(*, stopped: bool, attempts_used: int, max_attempts: int) -> Decision:
+    """A Spark job ended without rank 0's result: go on in a new job, or stop.
+
+    Spark's own stage retries (``spark.stage.maxConsecutiveAttempts``) may run out before
+    ``max_attempts``; a new job then continues the count. Nothing to continue when the driver
+    stopped the job itself, or when no gang formed at all (the job failed before any rank).
+    """
+    if not stopped and 0 < attempts_used < max_attempts:
+        return Decision.RERUN
+    return Decision.STOP

@@ -1,0 +1,185 @@
+"""The driver side of a run: ``sparkdl.run``.
+
+One run is one or more Spark jobs, each a barrier ``mapInArrow`` stage followed by a shuffle, so
+that Spark itself reruns the whole gang when any rank fails (a barrier *result* stage is never
+retried). The driver watches every rank over an authenticated channel, bounds every wait, stops
+the job when attempts are used up, and turns what it saw into one failure report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sparkdl._validate import int_at_least
+from sparkdl.backends import BACKENDS, get_backend
+from sparkdl.config import RunConfig
+from sparkdl.driver import cluster
+from sparkdl.driver.launcher import Job, pickle_payload
+from sparkdl.driver.monitor import Monitor
+from sparkdl.driver.progress import MetricsLog, Progress
+from sparkdl.driver.result import RunResult, log_to_mlflow
+from sparkdl.driver.spark import SparkLauncher
+from sparkdl.errors import ConfigError
+from sparkdl.rankspec import RunSpec
+from sparkdl.session import resolve_session
+from sparkdl.train.store import CheckpointStore
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def run(
+    fn: Callable[..., T],
+    *args: Any,
+    num_workers: int,
+    backend: str = "torch",
+    use_gpu: bool | None = None,
+    max_attempts: int | None = None,
+    config: RunConfig | None = None,
+    spark: SparkSession | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> T:
+    """Runs ``fn(*args, **kwargs)`` on ``num_workers`` gang-scheduled Spark tasks; returns rank 0's value.
+
+    The same as ``launch(...).value``; see :func:`launch` for everything else.
+
+    Example::
+
+        def train(lr):
+            ctx = sparkdl.context()
+            model = DDP(Net().to(ctx.device))
+            ...
+            return model.module.state_dict()
+
+        state = sparkdl.run(train, 0.1, num_workers=2)
+    """
+    result: RunResult = launch(
+        fn,
+        *args,
+        num_workers=num_workers,
+        backend=backend,
+        use_gpu=use_gpu,
+        max_attempts=max_attempts,
+        config=config,
+        spark=spark,
+        checkpoint_dir=checkpoint_dir,
+        **kwargs,
+    )
+    value: T = result.value
+    return value
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    num_workers: int,
+    backend: str = "torch",
+    use_gpu: bool | None = None,
+    max_attempts: int | None = None,
+    config: RunConfig | None = None,
+    spark: SparkSession | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> RunResult:
+    """Runs ``fn(*args, **kwargs)`` on ``num_workers`` gang-scheduled Spark tasks.
+
+    Returns a :class:`RunResult`: rank 0's return value (``.value``), the metrics the ranks sent
+    with ``context().log_metrics`` (``.metrics``, ``.plot()``), the run's directory and the
+    number of attempts. :func:`run` returns just the value.
+
+    Each rank runs in a process of its own with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set and, with the torch backend, the
+    default process group already created (``dist.init_process_group()`` in ``fn`` is accepted
+    too). When any rank fails, Spark reruns the whole gang, up to ``max_attempts`` times in all;
+    ``sparkdl.context().attempt`` tells the rank which attempt it is in.
+
+    Example::
+
+        def train(lr):
+            ctx = sparkdl.context()
+            model = DDP(Net().to(ctx.device))
+            ...
+            return model.module.state_dict()
+
+        result = sparkdl.launch(train, 0.1, num_workers=2)
+        state, history = result.value, result.metrics
+
+    Args:
+        fn: the function each rank runs. It and its arguments are cloudpickled; they must not
+            capture a SparkSession, SparkContext or DataFrame.
+        num_workers: number of ranks, one Spark task slot each.
+        backend: ``"torch"`` (torch.distributed) or ``"horovod"``.
+        use_gpu: give each rank the GPUs Spark assigned to its task. ``None`` means yes when
+            ``spark.task.resource.gpu.amount`` is set.
+        max_attempts: runs of the gang allowed in all (overrides ``config.max_attempts``).
+        config: bounds and behaviour, see :class:`RunConfig`.
+        spark: the session to use; by default the active one, else a new local one.
+        checkpoint_dir: where ``context().save_checkpoint`` writes: a local or shared path or
+            any URL pyarrow/fsspec reach; every executor must reach it. By default a new
+            directory ``<spark.sparkdl.runDir>/<run id>/checkpoints`` (the run directory defaults
+            to ``<temp dir>/sparkdl-runs``, which suits local mode). Pass the same directory
+            again to resume a run that the driver restarted.
+
+    Raises:
+        ConfigError: bad arguments or Spark confs, before any task starts.
+        InsufficientSlotsError: the cluster cannot run ``num_workers`` tasks at once.
+        RunFailedError: every attempt failed; the message is the per-rank report.
+        RunTimeoutError: the gang did not start, or an attempt did not finish, within its bound.
+    """
+    cfg = config or RunConfig()
+    if max_attempts is not None:
+        cfg = cfg.replace(max_attempts=max_attempts)
+    if not callable(fn):
+        raise ConfigError(f"fn must be callable; got {type(fn).__name__}")
+    int_at_least("num_workers", num_workers, 1)
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend!r} is unknown; choose one of {', '.join(map(repr, BACKENDS))}")
+    fn_bytes = pickle_payload(fn, args, kwargs)
+    get_backend(backend).check_driver()
+
+    session = resolve_session(spark, num_workers)
+    sc = session.sparkContext
+    conf = sc.getConf()
+    gpu = cluster.resolve_gpu(conf, use_gpu)
+    cluster.check_cluster(sc, num_workers, cfg)
+    attempts_allowed = cfg.max_attempts if cfg.max_attempts is not None else cluster.stage_attempts(conf)
+
+    run_id = secrets.token_hex(6)
+    run_dir = cluster.run_dir(conf, run_id)
+    store = CheckpointStore(checkpoint_dir or f"{run_dir}/checkpoints", keep=cfg.keep_checkpoints)
+    metrics = MetricsLog(cluster.local_metrics_path(run_dir, run_id))
+    progress = Progress(cfg.progress_interval_s, cfg.progress)
+    monitor = Monitor(num_workers, attempts_allowed, cfg, store, metrics, progress)
+    mlflow_on = cluster.mlflow_enabled(conf, cfg)
+    spec = RunSpec(run_id=run_id, world_size=num_workers, backend=backend, use_gpu=gpu,
+                   checkpoint_url=store.url, config=cfg)
+    value: Any = None
+    try:
+        value = SparkLauncher(session).run(Job(spec, fn_bytes, attempts_allowed), monitor)
+    finally:
+        metrics.close()
+        progress.finish()
+        result = RunResult(
+            value=value,
+            run_id=run_id,
+            run_dir=run_dir,
+            checkpoint_dir=store.url,
+            attempts=monitor.attempts_seen(),
+            records=metrics.records,
+            metrics_path=str(metrics.path) if metrics.path else None,
+        )
+        if mlflow_on:
+            # Metrics go to MLflow whether the run succeeded or not; the model only on success.
+            try:
+                log_to_mlflow(result, num_workers=num_workers, backend=backend, succeeded=monitor.succeeded)
+            except Exception as exc:  # a tracking server's trouble must not hide the run's outcome
+                log.warning("sparkdl: logging to MLflow failed: %s: %s", type(exc).__name__, exc)
+    return result

@@ -1,0 +1,177 @@
+"""The Spark launcher: each attempt of the gang is a barrier ``mapInArrow`` stage and a shuffle.
+
+A barrier *result* stage is never retried, so the stage is followed by a shuffle
+(``repartition(1)``): Spark then reruns every task of the stage when any rank fails, up to
+``spark.stage.maxConsecutiveAttempts``. The driver watches every rank over an authenticated
+channel, stops the job when the failure policy says so, and starts a new job when Spark's stage
+attempts ran out before ``max_attempts``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sparkdl.config import RunConfig
+from sparkdl.driver import policy
+from sparkdl.driver.cluster import driver_bind_host
+from sparkdl.driver.launcher import Job, Launcher
+from sparkdl.driver.monitor import Monitor
+from sparkdl.driver.report import build_report
+from sparkdl.errors import ConfigError, RunFailedError, RunTimeoutError, SparkDLError
+from sparkdl.task.main import TaskPayload, task_main
+from sparkdl.wire.channel import ChannelServer
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+_RESULT_SCHEMA = "chunk long, data binary"
+
+
+@dataclass
+class _Outcome:
+    """How one Spark job ended: rank 0's result, or an error and why the driver stopped it."""
+
+    result: bytes | None = None
+    error: BaseException | None = None
+    verdict: policy.Verdict | None = None
+
+
+class SparkLauncher(Launcher):
+    def __init__(self, session: SparkSession) -> None:
+        self.session = session
+
+    def launch(self, job: Job, monitor: Monitor) -> bytes:
+        cfg = job.run.config
+        sc = self.session.sparkContext
+        secret = secrets.token_bytes(32)
+        with ChannelServer(driver_bind_host(sc), secret, monitor.on_message, monitor.on_close,
+                           handshake_timeout_s=cfg.handshake_timeout_s) as server:
+            payload = TaskPayload(job.run, job.fn_bytes, secret.hex(), server.address[0], server.address[1])
+            job_index = 0
+            while True:
+                outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg)
+                job_index += 1
+                if outcome.result is not None:
+                    return outcome.result
+                decision = policy.after_job(
+                    stopped=outcome.verdict is not None,
+                    attempts_used=monitor.attempts_seen(),
+                    max_attempts=job.max_attempts,
+                )
+                if decision is not policy.Decision.RERUN:
+                    raise _failure(monitor, outcome, job.max_attempts)
+
+    def _run_job(self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig) -> _Outcome:
+        from pyspark import InheritableThread
+
+        session = self.session
+        sc = session.sparkContext
+        outcome = _Outcome()
+        done = threading.Event()
+        n = payload.run.world_size
+
+        def job() -> None:
+            try:
+                sc.setJobGroup(group, f"sparkdl.run: {n} ranks", interruptOnCancel=True)
+                df: Any = (
+                    session.range(0, n, 1, n)
+                    .mapInArrow(functools.partial(task_main, payload), _RESULT_SCHEMA, barrier=True)
+                    .repartition(1)
+                )
+                chunks = _collect_chunks(df)
+                if not chunks:
+                    raise SparkDLError("rank 0 finished but sent no return value back (internal error)")
+                outcome.result = b"".join(data for _, data in chunks)
+            except BaseException as exc:
+                outcome.error = exc
+            finally:
+                done.set()
+                with monitor.cond:
+                    monitor.cond.notify_all()
+
+        started = time.monotonic()
+        thread = InheritableThread(target=job, name=f"sparkdl-job-{group}", daemon=True)
+        thread.start()
+        try:
+            with monitor.cond:
+                while not done.is_set():
+                    verdict = monitor.check(started)
+                    if verdict.decision is policy.Decision.STOP:
+                        outcome.verdict = verdict
+                        monitor.stopping = verdict.reason
+                        break
+                    monitor.cond.wait(timeout=0.25)
+        except BaseException:
+            # Ctrl-C in a notebook or console: stop the gang before giving control back.
+            monitor.stopping = "the driver was interrupted"
+            sc.cancelJobGroup(group)
+            done.wait(cfg.kill_grace_s)
+            raise
+        if outcome.verdict is not None:
+            sc.cancelJobGroup(group)
+            done.wait(cfg.kill_grace_s)
+            outcome.result = None
+        else:
+            thread.join()
+        return outcome
+
+
+def _collect_chunks(df: Any) -> list[tuple[int, bytes]]:
+    if hasattr(df, "toArrow"):
+        table = df.toArrow()
+        return sorted(zip(table.column("chunk").to_pylist(), table.column("data").to_pylist(), strict=True))
+    # pyspark 3.5
+    batches = df._collect_as_arrow()
+    return sorted(pair for b in batches for pair in zip(b.column(0).to_pylist(), b.column(1).to_pylist(), strict=True))
+
+
+def _spark_error_text(exc: BaseException | None) -> str | None:
+    if exc is None:
+        return None
+    text = str(exc)
+    match = re.search(r"(RankFailed|SparkException|Exception)[:\s].*", text)
+    return match.group(0) if match else text
+
+
+def _failure(monitor: Monitor, outcome: _Outcome, max_attempts: int) -> SparkDLError:
+    records = monitor.sorted_records()
+    spark_error = _spark_error_text(outcome.error)
+    verdict = outcome.verdict
+    timed_out = verdict is not None and verdict.timed_out
+    stop_reason = verdict.reason if verdict is not None else None
+    if not records:
+        text = str(outcome.error)
+        if "No module named 'sparkdl'" in text:
+            return ConfigError(
+                "the executors' Python cannot import sparkdl: install sparkdl where the executors "
+                "run, or point spark.pyspark.python (PYSPARK_PYTHON) at an environment that has it"
+            )
+        if timed_out and stop_reason:
+            return RunTimeoutError(f"sparkdl.run stopped: {stop_reason}", attempts=0, root_cause=stop_reason)
+        return RunFailedError(
+            f"sparkdl.run failed before any rank started: {spark_error}", attempts=0, root_cause=str(spark_error)
+        )
+    attempts = monitor.attempts_seen()
+    if timed_out and stop_reason:
+        headline = f"sparkdl.run stopped on attempt {attempts - 1}: {stop_reason}."
+        hint = "Raise the bound named above if the run needs longer."
+        report, _ = build_report(records, headline=headline, hint=hint, spark_error=None)
+        return RunTimeoutError(report, attempts=attempts, root_cause=stop_reason)
+    headline = f"sparkdl.run failed after {attempts} attempt(s) of the gang (max_attempts={max_attempts})."
+    if monitor.gave_up:
+        headline += (
+            f" It stopped early: {monitor.gave_up}. To rerun anyway, set "
+            "RunConfig(stop_on_repeated_error=False)."
+        )
+    hint = (
+        "Fix the root cause above; to allow more reruns of the gang, raise max_attempts "
+        f"(now {max_attempts})."
+    )
+    report, root = build_report(records, headline=headline, hint=hint)
+    return RunFailedError(report, attempts=attempts, root_cause=root)

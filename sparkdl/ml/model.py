@@ -1,0 +1,243 @@
+""":class:`TorchModel`: a trained PyTorch module as a Spark ML Model that scores DataFrames."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+from pyspark import keyword_only
+from pyspark.ml.base import Model
+from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
+
+from sparkdl.errors import ConfigError
+from sparkdl.ml.columns import check_features_type, features_expr
+from sparkdl.ml.params import ScoringParams
+from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable
+from sparkdl.ml.plan import REGRESSION
+from sparkdl.ml.scoring import Scorer, scoring_column
+from sparkdl.ml.training import input_dtype
+
+if TYPE_CHECKING:
+    import torch
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["TorchModel"]
+
+
+class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["TorchModel"]):
+    """A trained PyTorch model as a Spark ML Model: ``transform`` scores DataFrames on the cluster.
+
+    ``transform(df)`` adds ``predictionCol``:
+
+    - ``task="classification"``: a ``double``, the class with the highest score (argmax of an
+      ``(N, C)`` output), or ``1.0``/``0.0`` for a single-logit model (logit > 0);
+    - ``task="regression"``: a ``double`` when the model outputs one value per row (``(N,)`` or
+      ``(N, 1)``), else an ``array<float>`` of the model's outputs for the row (turn it into an
+      ML vector with ``pyspark.ml.functions.array_to_vector`` when needed).
+
+    ``featuresCol`` may hold Spark ML vectors (dense or sparse) or arrays of numbers; only that
+    column goes to Python. Scoring runs in an iterator UDF over Arrow batches, up to
+    ``inferenceBatchSize`` rows per model call, under ``torch.inference_mode()``. Each executor
+    Python worker loads the model once (from a broadcast) and keeps it for later batches, tasks
+    and jobs; with ``useGpu`` unset or True it runs on the GPU Spark assigned to the task, when
+    there is one (address ``a`` means ``cuda:a``). A null features value, or one of another length
+    than the model was trained on, fails the task with an error naming the column.
+
+    A model made by :meth:`TorchEstimator.fit` carries its training history. One can also wrap
+    a module trained elsewhere::
+
+        model = sparkdl.TorchModel(model=net, featuresCol="features", task="classification")
+        scored = model.transform(df)                 # adds "prediction"
+        model.save("hdfs:///models/net")             # or inside a PipelineModel
+        same = sparkdl.TorchModel.load("hdfs:///models/net")
+
+    The module is kept cloudpickled (on the CPU); ``getModule()`` gives a copy. For a wrapped
+    regression model, the first ``transform`` runs the module on one row on the driver (a
+    ``limit(1)`` job) to learn whether the prediction is a number or an array.
+    """
+
+    # Saved models name their class in their metadata, and Spark ML loads a stage by that name:
+    # the public module keeps models saved by every sparkdl version loadable by every other.
+    __module__ = "sparkdl.ml"
+
+    @keyword_only
+    def __init__(
+        self,
+        *,
+        model: Any = None,
+        featuresCol: str = "features",
+        predictionCol: str = "prediction",
+        task: str | None = None,
+        inferenceBatchSize: int = 1024,
+        useGpu: bool | None = None,
+    ) -> None:
+        super().__init__()
+        kwargs = dict(self._input_kwargs)
+        module = kwargs.pop("model", None)
+        self._set(**kwargs)
+        self._module_bytes: bytes | None = None
+        self._model_id: str | None = None
+        self._num_features: int | None = None
+        self._num_outputs: int | None = None
+        self._history: list[dict[str, Any]] = []
+        self._broadcast: tuple[str, Any] | None = None
+        self._lock = threading.Lock()
+        if module is not None:
+            self._set_module(module)
+
+    @classmethod
+    def _trained(
+        cls, module: Any, *, num_features: int, num_outputs: int, history: list[dict[str, Any]], **params: Any
+    ) -> TorchModel:
+        """A model made by a fit: the trained module, what the fit learned, and the scoring ``params``."""
+        model = cls(model=module, **params)
+        model._num_features = num_features
+        model._num_outputs = num_outputs
+        model._history = [dict(h) for h in history]
+        return model
+
+    def _set_module(self, module: Any) -> None:
+        import cloudpickle
+        import torch
+
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module; got {type(module).__name__}")
+        # The module is kept as bytes: they are what the executors get, and their hash names the
+        # model in each worker's cache.
+        data = cloudpickle.dumps(module, protocol=5)
+        self._module_bytes = data
+        self._model_id = hashlib.sha256(data).hexdigest()[:24]
+        self._broadcast = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_broadcast"] = None  # a driver-side handle of one SparkContext
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- what the model knows ----------------------------------------------------------------
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Metrics per epoch of the fit that made this model: a list of dicts, one per epoch.
+
+        Keys: ``epoch`` (1, 2, ...), ``train_loss`` (mean over the epoch's training rows of all
+        ranks), ``train_rows``, ``seconds``; with ``validationFraction`` also ``val_loss`` and,
+        for classification, ``val_accuracy`` (over all held-out rows; with N ranks, up to N - 1
+        of them count twice so that every rank takes the same steps). An epoch that a gang
+        rerun resumed mid-way reports the loss of the batches run after the resume. Empty for a
+        model wrapped with ``TorchModel(model=...)``.
+        """
+        return [dict(h) for h in self._history]
+
+    def getHistory(self) -> list[dict[str, Any]]:
+        """The same as :attr:`history`."""
+        return self.history
+
+    def getModule(self) -> torch.nn.Module:
+        """A copy of the trained module, on the CPU, in eval mode."""
+        import cloudpickle
+
+        module = cloudpickle.loads(self._require_bytes())
+        return cast("torch.nn.Module", module.eval())
+
+    @property
+    def numFeatures(self) -> int | None:
+        """Features per row the model was trained on (None when unknown: transform then takes any one length)."""
+        return self._num_features
+
+    def _require_bytes(self) -> bytes:
+        if self._module_bytes is None:
+            raise ConfigError("this TorchModel has no module; create it with TorchModel(model=<torch.nn.Module>)")
+        return self._module_bytes
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def _extra_state(self) -> tuple[dict[str, Any], dict[str, bytes]]:
+        meta = {
+            "modelId": self._model_id,
+            "numFeatures": self._num_features,
+            "numOutputs": self._num_outputs,
+            "history": self._history,
+        }
+        return meta, {"module": self._require_bytes()}
+
+    def _set_extra_state(self, meta: Mapping[str, Any], blobs: Mapping[str, bytes]) -> None:
+        self._module_bytes = blobs["module"]
+        self._model_id = hashlib.sha256(self._module_bytes).hexdigest()[:24]
+        self._num_features = meta.get("numFeatures")
+        self._num_outputs = meta.get("numOutputs")
+        self._history = [dict(h) for h in meta.get("history") or []]
+
+    def write(self) -> MLWriter:
+        """An MLWriter: params and history to ``metadata``, the pickled module to ``data/``."""
+        return ParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> MLReader[TorchModel]:
+        """An MLReader for models saved with :meth:`save` (alone or inside a PipelineModel)."""
+        return ParamsReader(cls)
+
+    # -- transform ---------------------------------------------------------------------------
+
+    def _transform(self, dataset: DataFrame) -> DataFrame:
+        from sparkdl.driver.cluster import resolve_gpu
+
+        self._require_bytes()
+        features_col, prediction_col = self.getFeaturesCol(), self.getPredictionCol()
+        check_features_type(dataset, features_col)
+        if prediction_col in dataset.columns:
+            raise ConfigError(
+                f"predictionCol={prediction_col!r} is already a column of the DataFrame; choose another "
+                "name (setPredictionCol) or drop that column first"
+            )
+        task = self.getTask() or REGRESSION
+        session = dataset.sparkSession
+        classic = not type(session).__module__.startswith("pyspark.sql.connect")
+        use_gpu = self.getUseGpu()
+        if classic and use_gpu:
+            resolve_gpu(session.sparkContext.getConf(), use_gpu)  # ConfigError naming the confs
+        num_outputs = self._num_outputs
+        if task == REGRESSION and num_outputs is None:
+            num_outputs = self._learn_outputs(dataset)
+        vector_out = task == REGRESSION and (num_outputs or 1) > 1
+        scorer = Scorer(
+            model_id=cast(str, self._model_id),
+            source=self._model_source(session) if classic else self._require_bytes(),
+            task=task,
+            num_features=self._num_features,
+            batch_rows=self.getInferenceBatchSize(),
+            use_gpu=use_gpu,
+            features_col=features_col,
+            vector_out=vector_out,
+        )
+        return dataset.withColumn(prediction_col, scoring_column(scorer, features_expr(dataset, features_col)))
+
+    def _model_source(self, session: SparkSession) -> Any:
+        """The broadcast of the module's bytes in this SparkContext, made once per model and context."""
+        sc = session.sparkContext
+        key = f"{sc.applicationId}-{sc.startTime}"
+        with self._lock:
+            if self._broadcast is None or self._broadcast[0] != key:
+                self._broadcast = (key, sc.broadcast(self._require_bytes()))
+            return self._broadcast[1]
+
+    def _learn_outputs(self, dataset: DataFrame) -> int:
+        """Outputs per row of a wrapped regression model, from one row (a small job), remembered."""
+        import torch
+
+        row = dataset.select(features_expr(dataset, self.getFeaturesCol()).alias("x")).limit(1).collect()
+        if not row:
+            return 1
+        module = self.getModule()
+        with torch.inference_mode():
+            out = module(torch.tensor([row[0]["x"]], dtype=input_dtype(module)))
+        self._num_outputs = 1 if out.dim() == 1 else int(math.prod(out.shape[1:]))
+        return self._num_outputs

@@ -1,0 +1,143 @@
+"""Saving and loading the estimator and the model through Spark ML's ``MLWriter``/``MLReader``.
+
+JSON-able params go to the usual ``metadata`` file, so ``save``/``load`` and saved
+``Pipeline``/``PipelineModel`` work as for Spark's own stages. Values that are not JSON (a module,
+a model factory, an optimizer factory, a loss function) and the trained module are cloudpickled
+into ``data/``: Parquet, written and read by Spark, so any filesystem Spark reaches works.
+Loading unpickles: load only models you trust.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pyspark.ml.param import Params
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+
+from sparkdl.config import RunConfig
+from sparkdl.errors import ConfigError, SparkDLError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["ParamsReader", "ParamsWriter", "Persistable"]
+
+# Saved blobs are cut into Parquet rows of this size.
+_BLOB_CHUNK = 16 * 1024 * 1024
+_FORMAT = 1
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+class Persistable(Params):
+    """A stage that :class:`ParamsWriter` can save: its params split into JSON ones and pickled ones.
+
+    A subclass with state beyond its params (the model's module and history) overrides
+    :meth:`_extra_state` and :meth:`_set_extra_state`.
+    """
+
+    def _json_and_pickled(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        json_params: dict[str, Any] = {}
+        pickled: dict[str, Any] = {}
+        for param, value in self._paramMap.items():
+            if isinstance(value, RunConfig):
+                json_params[param.name] = value.to_dict()
+            elif isinstance(value, _JSON_SCALARS):
+                json_params[param.name] = value
+            else:
+                pickled[param.name] = value
+        return json_params, pickled
+
+    def _extra_state(self) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """Metadata and blobs of the instance beyond its params."""
+        return {}, {}
+
+    def _set_extra_state(self, meta: Mapping[str, Any], blobs: Mapping[str, bytes]) -> None:
+        """Restores what :meth:`_extra_state` saved."""
+
+
+class ParamsWriter(MLWriter):
+    """Writes a :class:`Persistable`: params and extra metadata to ``metadata``, blobs to ``data/``."""
+
+    def __init__(self, instance: Persistable) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:
+        """Writes the instance under ``path`` (``MLWriter.save`` has checked overwrite)."""
+        import cloudpickle
+
+        json_params, pickled = self.instance._json_and_pickled()
+        meta, blobs = self.instance._extra_state()
+        blobs = dict(blobs)
+        if pickled:
+            try:
+                blobs["params"] = cloudpickle.dumps(pickled, protocol=5)
+            except Exception as exc:
+                raise ConfigError(
+                    f"the params {sorted(pickled)} of {self.instance.uid} cannot be pickled for saving "
+                    f"({type(exc).__name__}: {exc}); they must not hold a SparkSession, lock or open file"
+                ) from exc
+        extra = {"sparkdl": {"format": _FORMAT, **meta, "blobs": sorted(blobs)}}
+        # A SparkContext: pyspark 3.5 takes only that here; pyspark 4 takes it or a session.
+        DefaultParamsWriter.saveMetadata(
+            self.instance, path, self.sparkSession.sparkContext, extraMetadata=extra, paramMap=json_params
+        )
+        if blobs:
+            _write_blobs(self.sparkSession, os.path.join(path, "data"), blobs)
+
+
+class ParamsReader(MLReader[Any]):
+    """Reads back what :class:`ParamsWriter` wrote, as an instance of ``cls`` (and only of it)."""
+
+    def __init__(self, cls: type[Persistable]) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def load(self, path: str) -> Any:
+        """The instance saved under ``path``; SparkDLError for another class or format."""
+        import cloudpickle
+
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
+        saved = metadata.get("sparkdl") or {}
+        expected = f"{self.cls.__module__}.{self.cls.__name__}"
+        if metadata.get("class") != expected:
+            raise SparkDLError(
+                f"{path} holds a {metadata.get('class')}, not a {expected}; load it with that class "
+                "(or with PipelineModel.load / Pipeline.load for a saved pipeline)"
+            )
+        if saved.get("format") != _FORMAT:
+            raise SparkDLError(
+                f"{path} holds a {metadata.get('class')} saved in format {saved.get('format')!r}; this "
+                f"sparkdl reads format {_FORMAT}. Load it with the sparkdl version that saved it"
+            )
+        instance: Any = self.cls()
+        instance._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(instance, metadata)
+        names = list(saved.get("blobs") or [])
+        blobs = _read_blobs(self.sparkSession, os.path.join(path, "data"), names) if names else {}
+        if "params" in blobs:
+            instance._set(**cloudpickle.loads(blobs["params"]))
+        instance._set_extra_state(saved, blobs)
+        return instance
+
+
+def _write_blobs(spark: SparkSession, path: str, blobs: Mapping[str, bytes]) -> None:
+    rows = [
+        (name, i, bytearray(data[start : start + _BLOB_CHUNK]))
+        for name, data in sorted(blobs.items())
+        for i, start in enumerate(range(0, max(len(data), 1), _BLOB_CHUNK))
+    ]
+    # Spark writes it, so the model goes wherever the metadata goes (HDFS, S3, ...).
+    spark.createDataFrame(rows, "name string, chunk int, data binary").coalesce(1).write.parquet(path)
+
+
+def _read_blobs(spark: SparkSession, path: str, names: Sequence[str]) -> dict[str, bytes]:
+    pieces: dict[str, list[tuple[int, bytes]]] = {name: [] for name in names}
+    for row in spark.read.parquet(path).collect():
+        pieces.setdefault(row["name"], []).append((int(row["chunk"]), bytes(row["data"])))
+    missing = [n for n in names if not pieces.get(n)]
+    if missing:
+        raise SparkDLError(f"{path} lacks the saved part(s) {missing}; the saved model is incomplete")
+    return {name: b"".join(data for _, data in sorted(parts)) for name, parts in pieces.items()}

@@ -1,0 +1,214 @@
+"""Scoring on the executors: Arrow batches of features in, the model on whole batches, predictions out.
+
+``TorchModel.transform`` adds one column computed by an iterator UDF over Arrow batches
+(``arrow_udf`` on pyspark >= 4.1, ``pandas_udf`` before): the model runs on up to
+``inferenceBatchSize`` rows at once, never on one row at a time. Only the features column travels
+to Python and only the prediction comes back. The model's bytes reach the executors once, as a
+Spark broadcast; each Python worker unpickles them the first time it scores with that model and
+keeps the module in a small per-process cache keyed by the model's content hash and device, so
+later batches, tasks and jobs served by the same (reused) worker skip the load.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkdl.errors import ConfigError
+from sparkdl.ml.plan import CLASSIFICATION
+from sparkdl.ml.training import input_dtype
+
+if TYPE_CHECKING:
+    import torch
+    from pyspark.sql import Column
+
+__all__ = ["Scorer", "scoring_column"]
+
+# Modules kept per Python worker; more than one model is rare, and each may be large.
+_WORKER_CACHE_SIZE = 2
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """What the scoring UDF closes over: small and picklable; the module itself is in ``source``."""
+
+    model_id: str
+    source: Any  # a Broadcast of the pickled module (classic Spark), or the bytes (Spark Connect)
+    task: str
+    num_features: int | None
+    batch_rows: int
+    use_gpu: bool | None
+    features_col: str
+    vector_out: bool
+
+    @property
+    def return_type(self) -> str:
+        """The prediction column's Spark type: ``array<float>`` for vector outputs, else ``double``."""
+        return "array<float>" if self.vector_out else "double"
+
+    def module_bytes(self) -> bytes:
+        """The pickled module, read from the broadcast (or given directly)."""
+        return self.source if isinstance(self.source, bytes) else cast(bytes, self.source.value)
+
+
+class _WorkerModels:
+    """(model id, device) -> module, least recently used out first, bounded to ``size`` modules.
+
+    Spark reuses its Python workers (spark.python.worker.reuse, on by default), so the one
+    instance below outlives a task: a model is unpickled once per worker, not once per task or
+    batch. Loading happens under the lock, so two threads of a worker never load one model twice.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._modules: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str], load: Callable[[], Any]) -> Any:
+        """The module cached under ``key``, made by ``load()`` on the first call."""
+        with self._lock:
+            module = self._modules.get(key)
+            if module is None:
+                module = load()
+                self._modules[key] = module
+                while len(self._modules) > self._size:
+                    self._modules.popitem(last=False)
+            else:
+                self._modules.move_to_end(key)
+            return module
+
+
+_WORKER_MODELS = _WorkerModels(_WORKER_CACHE_SIZE)
+
+
+def _task_device(use_gpu: bool | None) -> torch.device:
+    """The GPU Spark assigned to this task (its first address), else the CPU."""
+    import torch
+    from pyspark import TaskContext
+
+    if use_gpu is False:
+        return torch.device("cpu")
+    tc = TaskContext.get()
+    gpus = tc.resources().get("gpu") if tc is not None else None
+    addresses = list(gpus.addresses) if gpus is not None else []
+    if addresses and torch.cuda.is_available():
+        return torch.device("cuda", int(addresses[0]))
+    if use_gpu:
+        raise ConfigError(
+            f"useGpu=True, but this task got GPU addresses {addresses} and torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()}; set spark.task.resource.gpu.amount and install a CUDA build of torch "
+            "on the executors, or set useGpu=None"
+        )
+    return torch.device("cpu")
+
+
+def _worker_model(scorer: Scorer) -> tuple[Any, torch.device, torch.dtype]:
+    import cloudpickle
+
+    device = _task_device(scorer.use_gpu)
+    module = _WORKER_MODELS.get(
+        (scorer.model_id, str(device)), lambda: cloudpickle.loads(scorer.module_bytes()).to(device).eval()
+    )
+    return module, device, input_dtype(module)
+
+
+def _features_matrix(arr: pa.Array, scorer: Scorer) -> np.ndarray:
+    """An ``array<float>`` Arrow column as an ``(N, d)`` float32 matrix, or a task error naming the column."""
+    n = len(arr)
+    col = scorer.features_col
+    if arr.null_count:
+        raise ConfigError(f"featuresCol={col!r} is null in {arr.null_count} of the {n} rows of a batch; drop or fill them before transform")
+    if n == 0:
+        return np.zeros((0, scorer.num_features or 0), dtype=np.float32)
+    bounds = pc.min_max(pc.list_value_length(arr))
+    lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+    d = scorer.num_features if scorer.num_features is not None else lo
+    if lo != d or hi != d:
+        raise ConfigError(f"featuresCol={col!r} holds rows of {lo} to {hi} values; the model takes {d} features per row")
+    values = arr.flatten()  # respects the array's offset when Spark hands over a slice
+    if values.null_count:
+        raise ConfigError(f"featuresCol={col!r} holds null values inside {values.null_count} vectors; fill them before transform")
+    return values.to_numpy(zero_copy_only=False).reshape(n, d)
+
+
+def _score_array(arr: pa.Array, scorer: Scorer, model: tuple[Any, torch.device, torch.dtype]) -> pa.Array:
+    import torch
+
+    module, device, dtype = model
+    x = _features_matrix(arr, scorer)
+    outs: list[np.ndarray] = []
+    # Arrow's buffers are read-only and the model only reads its input: no copy, and no warning.
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for start in range(0, len(x), scorer.batch_rows):
+            xb = torch.from_numpy(x[start : start + scorer.batch_rows]).to(device=device, dtype=dtype)
+            outs.append(_postprocess(module(xb), scorer).cpu().numpy())
+    if scorer.vector_out:
+        flat = np.concatenate([o.reshape(len(o), -1) for o in outs]) if outs else np.zeros((0, 0), np.float32)
+        width = flat.shape[1] if flat.ndim == 2 else 0
+        offsets = pa.array(np.arange(len(x) + 1, dtype=np.int32) * width)
+        return pa.ListArray.from_arrays(offsets, pa.array(flat.reshape(-1).astype(np.float32)))
+    return pa.array(np.concatenate(outs) if outs else np.zeros(0, np.float64), type=pa.float64())
+
+
+def _postprocess(out: torch.Tensor, scorer: Scorer) -> torch.Tensor:
+    import torch
+
+    n = out.shape[0]
+    if scorer.task == CLASSIFICATION:
+        if out.dim() == 1 or out.shape[-1] == 1:
+            return (out.reshape(n) > 0).to(torch.float64)
+        return out.argmax(dim=-1).to(torch.float64)
+    if scorer.vector_out:
+        return out.reshape(n, -1).to(torch.float32)
+    return out.reshape(n).to(torch.float64)
+
+
+def _score_batches(scorer: Scorer, batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
+    model = None
+    for arr in batches:
+        if model is None:  # an empty partition never loads the model
+            model = _worker_model(scorer)
+        yield _score_array(arr, scorer, model)
+
+
+def _arrow_udf_available() -> bool:
+    from pyspark.sql import functions as F
+
+    return hasattr(F, "arrow_udf")
+
+
+def scoring_column(scorer: Scorer, features: Column) -> Column:
+    """The prediction column: an iterator UDF over Arrow batches of the features (``array<float>``)."""
+    from pyspark.sql import functions as F
+
+    if _arrow_udf_available():  # pyspark >= 4.1: Arrow arrays in and out, no pandas in between
+
+        def score_arrow(batches: Any) -> Any:
+            return _score_batches(scorer, batches)
+
+        # Spark picks the UDF kind from the type hints; set as objects, they need no name lookup.
+        score_arrow.__annotations__ = {"batches": Iterator[pa.Array], "return": Iterator[pa.Array]}
+        make_udf: Any = F.arrow_udf  # its overloads want a literal functionType; the hints decide it
+        return cast("Column", make_udf(score_arrow, scorer.return_type)(features))
+
+    import pandas as pd
+
+    in_type = pa.list_(pa.float32())
+
+    def score_pandas(batches: Any) -> Any:  # pyspark 3.5: pandas Series, converted to Arrow here
+        arrays = (pa.array(s, type=in_type) for s in batches)
+        for out in _score_batches(scorer, arrays):
+            yield out.to_pandas()
+
+    score_pandas.__annotations__ = {"batches": Iterator[pd.Series], "return": Iterator[pd.Series]}
+    make_pandas_udf: Any = F.pandas_udf
+    return cast("Column", make_pandas_udf(score_pandas, scorer.return_type)(features))

@@ -1,0 +1,172 @@
+"""``sparkdl.context()``: who and where this rank is, inside a function launched by ``sparkdl.run``.
+
+The context is read from the rank process's environment (through :mod:`sparkdl.rankspec`, the
+only reader of it), which the launcher sets before the user's code starts. That keeps it correct
+in threads and in DataLoader worker processes too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sparkdl import rankspec
+from sparkdl.errors import ConfigError, NotInRunError
+from sparkdl.train.store import CheckpointStore
+
+if TYPE_CHECKING:
+    import torch
+
+_PIPE_ATOMIC_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """This rank's place in the run.
+
+    Attributes:
+        rank: global rank, 0 .. world_size - 1.
+        world_size: number of ranks in the gang.
+        local_rank: index of this rank among the devices it can see: on GPUs each rank sees only
+            the GPUs Spark assigned to its task, so this is 0; on CPUs it is the index of this
+            rank among the ranks on the same host.
+        local_world_size: ranks that share ``local_rank``'s numbering.
+        attempt: 0 on the first run of the gang, 1 on its first rerun, and so on.
+        run_id: identifier shared by every rank of every attempt of the run.
+        host: address of the executor this rank runs on.
+        backend: ``"torch"`` or ``"horovod"``.
+        gpu_ids: GPU addresses Spark assigned to this rank's task (empty on CPU).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    attempt: int
+    run_id: str
+    host: str
+    backend: str
+    gpu_ids: tuple[str, ...]
+    use_cuda: bool
+    checkpoint_url: str | None = None
+    keep_checkpoints: int = 3
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:0`` (the first GPU this rank sees) when the rank runs on a GPU, else ``cpu``."""
+        import torch
+
+        return torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
+
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        """The run's checkpoint store (``run(checkpoint_dir=...)``)."""
+        if not self.checkpoint_url:
+            raise NotInRunError("this run has no checkpoint directory")
+        return CheckpointStore(self.checkpoint_url, keep=self.keep_checkpoints)
+
+    def save_checkpoint(self, obj: Any, *, all_ranks: bool = False) -> int | None:
+        """Saves ``obj`` (any picklable object or state_dicts) as the run's next checkpoint.
+
+        By default only rank 0 writes and other ranks return None at once; the write is atomic,
+        so a crash in the middle leaves the previous checkpoint valid. The last
+        ``RunConfig.keep_checkpoints`` are kept. With ``all_ranks=True`` every rank writes to
+        its own subdirectory ``rank-<r>``.
+
+        Returns:
+            the checkpoint's sequence number on a rank that wrote, else None.
+        """
+        if all_ranks:
+            store = self.checkpoints
+            return CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep).save(obj)
+        if self.rank != 0:
+            return None
+        return self.checkpoints.save(obj)
+
+    def load_checkpoint(self, *, all_ranks: bool = False) -> Any:
+        """The latest complete checkpoint of the run (rank 0's, or this rank's own), or None."""
+        store = self.checkpoints
+        if all_ranks:
+            store = CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep)
+        return store.load()
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Sends ``metrics`` (names to numbers or short strings) to the driver, tagged with this rank.
+
+        The driver keeps them (``sparkdl.launch(...).metrics``, a JSON-lines file in the run's
+        directory) and shows them in its progress line. Keys ``epoch``, ``step`` and ``loss``
+        feed the progress line. 0-d tensors and numpy scalars are converted to numbers.
+
+        Example::
+
+            ctx.log_metrics({"loss": loss.item(), "epoch": epoch}, step=global_step)
+        """
+        record: dict[str, Any] = {"time": time.time(), "rank": self.rank, "attempt": self.attempt}
+        if step is not None:
+            record["step"] = int(step)
+        for key, value in metrics.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"log_metrics: metric names must be strings; got {key!r}")
+            if hasattr(value, "item"):
+                value = value.item()
+            if not isinstance(value, (int, float, str, bool)) or (isinstance(value, str) and len(value) > 200):
+                raise ConfigError(
+                    f"log_metrics: metric {key!r} must be a number or a string of at most 200 characters; "
+                    f"got {type(value).__name__}"
+                )
+            record[key] = value
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        if len(line) > _PIPE_ATOMIC_BYTES:
+            raise ConfigError(
+                f"log_metrics: one call may send at most {_PIPE_ATOMIC_BYTES} bytes of JSON; "
+                "split the metrics over several calls"
+            )
+        fd = rankspec.read_fd("metrics")
+        try:
+            if fd is None:
+                raise OSError
+            # One write of at most PIPE_BUF bytes is atomic: threads and processes never interleave.
+            os.write(fd, line)
+        except OSError:
+            # No driver to send to (the driver-local launcher): keep the metrics in the output.
+            print(f"sparkdl metrics {line.decode().strip()}", flush=True)
+
+    @property
+    def is_chief(self) -> bool:
+        """True on rank 0, the rank whose return value ``run`` returns."""
+        return self.rank == 0
+
+
+def context() -> RunContext:
+    """The :class:`RunContext` of the calling rank.
+
+    Example::
+
+        def train():
+            ctx = sparkdl.context()
+            model = Net().to(ctx.device)
+            print(f"rank {ctx.rank} of {ctx.world_size}, attempt {ctx.attempt}")
+
+    Raises:
+        NotInRunError: when called outside a function launched by :func:`sparkdl.run`.
+    """
+    spec = rankspec.read_rank()
+    gang = rankspec.read_gang()
+    return RunContext(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        local_rank=gang.local_rank,
+        local_world_size=gang.local_world_size,
+        attempt=gang.attempt,
+        run_id=spec.run_id,
+        host=spec.host,
+        backend=spec.backend,
+        gpu_ids=spec.gpu_ids,
+        use_cuda=rankspec.read_use_cuda(),
+        checkpoint_url=spec.checkpoint_url,
+        keep_checkpoints=spec.keep_checkpoints,
+    )

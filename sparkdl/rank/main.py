@@ -1,0 +1,140 @@
+"""One rank's process: ``python -m sparkdl.rank WORKDIR``, or forked by the executor's zygote.
+
+The Spark task that starts this process holds the write end of a "lifeline" pipe. When the task
+ends for any reason, even SIGKILL, the pipe reaches end-of-file and this process kills its whole
+process group, so a rank never outlives the task that owns it.
+
+Files in WORKDIR: ``payload.pkl`` (cloudpickled fn, args, kwargs) written by the task;
+``result.pkl`` (rank 0's return value) and ``error.json`` (a failure) written here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from sparkdl import rankspec
+
+
+def _watch_lifeline(fd: int) -> None:
+    def watch() -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError:
+            pass
+        # The owning Spark task is gone: end this rank and everything it started.
+        try:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        finally:
+            os._exit(137)
+
+    threading.Thread(target=watch, name="sparkdl-lifeline", daemon=True).start()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _format(exc: BaseException, *, skip_own_frame: bool) -> str:
+    tb = exc.__traceback__
+    if skip_own_frame and tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # the user's frames start below main()
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _record_error(workdir: Path, exc: BaseException, where: str) -> None:
+    summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    info = {
+        "error": f"{where}: {summary}" if where else summary,
+        "traceback": _format(exc, skip_own_frame=not where),
+    }
+    _write_atomically(workdir / "error.json", json.dumps(info).encode())
+
+
+def _use_cuda(spec: rankspec.RankSpec) -> bool:
+    """The rank's device, decided once: the GPUs Spark assigned, when this torch can use them."""
+    if not spec.gpu_ids:
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    print(
+        f"sparkdl: Spark assigned GPU(s) {','.join(spec.gpu_ids)} to this rank, but "
+        "torch.cuda.is_available() is False (a CPU build of torch?); running on the CPU",
+        file=sys.stderr,
+    )
+    return False
+
+
+def main(workdir: Path | None = None) -> int:
+    workdir = Path(sys.argv[1]) if workdir is None else workdir
+    lifeline = rankspec.read_fd("lifeline")
+    control = rankspec.read_fd("control")
+    if lifeline is None or control is None:
+        sys.stderr.write("sparkdl.rank is started by sparkdl's launchers, not by hand\n")
+        return 2
+    _watch_lifeline(lifeline)
+    spec = rankspec.read_rank()
+    stage = "starting"
+    try:
+        # Import while the gang forms, then wait for the task to say where the gang is.
+        import cloudpickle
+
+        if spec.backend in ("torch", "horovod"):
+            import torch.distributed  # noqa: F401
+        with os.fdopen(control) as pipe:
+            told = pipe.read()
+        if not told:
+            return 3  # the task gave up before the gang formed
+        os.environ.update(json.loads(told))
+        gang = rankspec.read_gang()
+        stage = "setting up the backend"
+        from sparkdl.backends import get_backend
+
+        use_cuda = _use_cuda(spec)
+        # Written to the environment so that threads and processes of this rank see it too.
+        os.environ.update(rankspec.device_env(use_cuda))
+        backend = get_backend(spec.backend)
+        backend.setup_rank(spec, gang, use_cuda)
+        stage = "loading the function"
+        with open(workdir / "payload.pkl", "rb") as f:
+            fn, args, kwargs = cloudpickle.load(f)
+        stage = ""
+        result = fn(*args, **kwargs)
+        if spec.rank == 0:
+            stage = "pickling the return value of rank 0"
+            _write_atomically(workdir / "result.pkl", cloudpickle.dumps(result, protocol=5))
+        stage = "tearing down the backend"
+        backend.teardown_rank()
+        return 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code != 0:
+            _record_error(workdir, exc, stage)
+        elif spec.rank == 0 and not (workdir / "result.pkl").exists():
+            import cloudpickle
+
+            _write_atomically(workdir / "result.pkl", cloudpickle.dumps(None))
+        return code
+    except BaseException as exc:
+        sys.stderr.write(_format(exc, skip_own_frame=not stage))
+        _record_error(workdir, exc, stage)
+        return 1
+
+
+def exit_process(code: int) -> None:
+    """Ends the rank process: os._exit, so a user's leftover non-daemon thread or a library
+    destructor cannot hang the exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
