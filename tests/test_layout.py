@@ -1,0 +1,144 @@
+"""The layout of the package, checked: imports run one way, no cycles, no borrowed private
+names, no module over 400 lines. Imports inside functions count as much as module-level ones."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "sparkdl"
+MAX_LINES = 400
+
+# The stages of the path, lowest first: a module may import modules of a lower layer, or of its
+# own group (same layer and same top-level name). The leaves (layer 0) may import each other; the
+# cycle test keeps that one way. "sparkdl" itself (its __init__) is the package's public face, and
+# the command line sits on top of it.
+LAYERS: list[set[str]] = [
+    {"errors", "_validate", "_version", "config", "storage", "rankspec", "wire", "session"},
+    {"train.store", "backends"},
+    {"rank.context"},
+    # "rank" and "train": the packages' own __init__, which import nothing.
+    {"train.state", "data", "rank.main", "rank.__main__", "rank", "train"},
+    {"task"},
+    {"driver"},
+    {"compat", "ml"},
+    {"__init__"},
+    # The command line is an application of the public API (it calls sparkdl.run, sparkdl.RunConfig).
+    {"cli"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        found["sparkdl." + ".".join(parts) if parts != ["__init__"] else "sparkdl"] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[tuple[str, str | None]]:
+    """(imported module, imported name) pairs of one module, wherever in it they are."""
+    is_package = path.name == "__init__.py"
+    out: set[tuple[str, str | None]] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update((a.name, None) for a in node.names if a.name.startswith("sparkdl"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_package else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            if not base.startswith("sparkdl"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add((sub, None) if sub in MODULES else (base, alias.name))
+    return out
+
+
+def _owner(module: str) -> str:
+    """The module that defines what ``module`` names (a package's names live in its __init__)."""
+    while module not in MODULES and "." in module:
+        module = module.rsplit(".", 1)[0]
+    return module
+
+
+GRAPH = {name: {_owner(m) for m, _ in _imports(name, path)} - {name} for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> tuple[int, str]:
+    rel = module.removeprefix("sparkdl").lstrip(".") or "__init__"
+    best: tuple[int, str] | None = None
+    for index, layer in enumerate(LAYERS):
+        for key in layer:
+            if (rel == key or rel.startswith(key + ".")) and (best is None or len(key) > len(best[1])):
+                best = (index, key)
+    assert best is not None, f"{module} is in no layer of tests/test_layout.py: place it"
+    return best
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_import_cycles() -> None:
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(GRAPH.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(dep):], dep]))
+            elif dep not in state:
+                visit(dep, [*stack, dep])
+        state[node] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    borrowed = [
+        f"{name} imports {mod}.{attr}"
+        for name, path in MODULES.items()
+        for mod, attr in _imports(name, path)
+        if (attr or mod.rsplit(".", 1)[-1]).startswith("_")
+        and not (attr or "").startswith("__")
+        and mod.rsplit(".", 1)[-1] != "__main__"
+        and _owner(mod) != name
+        # a leaf module whose name starts with "_" is private to the package, not to a module
+        and not (attr is None and mod.count(".") == 1)
+    ]
+    assert not borrowed, "\n".join(borrowed)
+
+
+def test_imports_run_one_way_from_the_public_api_down_to_the_leaves() -> None:
+    wrong = []
+    for name, deps in GRAPH.items():
+        here, group = _layer(name)
+        for dep in deps:
+            there, dep_group = _layer(dep)
+            same_group = dep_group.split(".")[0] == group.split(".")[0]
+            if there > here or (there == here and here > 0 and not same_group):
+                wrong.append(f"{name} (layer {here}) imports {dep} (layer {there})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+@pytest.mark.parametrize("layer", range(len(LAYERS)))
+def test_every_layer_names_existing_modules(layer: int) -> None:
+    # A renamed module must not leave a rule behind that no longer checks anything.
+    for key in LAYERS[layer]:
+        assert any(_layer(m)[1] == key for m in MODULES), f"no module for layer entry {key!r}"
