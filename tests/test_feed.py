@@ -513,3 +513,27 @@ def test_import_sparkdl_stays_cheap() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert "pyarrow" not in out.stdout and "torch" not in out.stdout and "sparkdl.data.loader" not in out.stdout
     assert sparkdl.Dataset is Dataset
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_plain_lists_of_one_length_give_the_same_tensors_as_padding(tmp_path: Path, shuffle: bool) -> None:
+    # Two files of plain Parquet lists: length 3 in one, 5 in the other. Windows inside one file
+    # see one length (and take the numpy path); windows across both see two (and are padded).
+    for part, (start, length) in enumerate([(0, 3), (600, 5)]):
+        ids = np.arange(start, start + 600, dtype=np.int64)
+        values = (np.repeat(ids, length) * 10 + np.tile(np.arange(length), len(ids))).astype(np.float32)
+        offsets = np.arange(0, (len(ids) + 1) * length, length, dtype=np.int32)
+        table = pa.table({"id": ids, "v": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
+        pq.write_table(table, tmp_path / f"part-{part}.parquet", row_group_size=100)
+    seen = []
+    for window in (100, 1200):  # mostly inside one file; across both
+        loader = Dataset(tmp_path).loader(64, shuffle=shuffle, seed=3, rank=0, world_size=1, shuffle_window=window)
+        for batch in loader:
+            ids = batch["id"].numpy()
+            lengths = np.where(ids < 600, 3, 5)
+            assert batch["v_lengths"].dtype == torch.int64 and batch["v_lengths"].tolist() == lengths.tolist()
+            assert batch["v"].dtype == torch.float32 and batch["v"].shape == (len(ids), lengths.max())
+            for row, i, n in zip(batch["v"].numpy(), ids, lengths, strict=True):
+                assert row[:n].tolist() == [i * 10 + k for k in range(n)] and not row[n:].any()
+            seen.extend(ids.tolist())
+    assert sorted(seen) == sorted(list(range(1200)) * 2)

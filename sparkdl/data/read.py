@@ -109,14 +109,24 @@ def _where(files: ParquetFiles, plan: EpochPlan, share: Sequence[tuple[int, int,
 
 class WindowBuilder:
     """Builds one window piece by piece: numbers go straight into preallocated numpy arrays (so
-    only one row group's Arrow data is alive at a time), the rest is kept as Arrow chunks."""
+    only one row group's Arrow data is alive at a time), the rest is kept as Arrow chunks.
+
+    An array column whose length the manifest does not know (plain Parquet lists) is watched as
+    its chunks arrive: when every row of the window has one length, the window holds it as a
+    ``[rows, length]`` numpy array, as if the length had been declared, and batches are cut from
+    it without Arrow ``take`` or padding. Its batches are the same tensors either way.
+    """
 
     def __init__(self, columns: Sequence[ColumnSpec], rows: int, where: str) -> None:
         self._columns = columns
+        self._rows = rows
         self._where = where
         self._pos = 0
         self._numbers: dict[str, np.ndarray] = {}
         self._chunks: dict[str, list[pa.Array]] = {}
+        # Variable-length array columns: None before their first row, then the one length of all
+        # their rows so far (held in numpy), or -1 once two lengths or a null row came (Arrow).
+        self._uniform: dict[str, int | None] = {}
         for c in columns:
             if c.kind == SCALAR:
                 self._numbers[c.name] = np.empty(rows, dtype=np.dtype(c.dtype))
@@ -124,12 +134,17 @@ class WindowBuilder:
                 self._numbers[c.name] = np.empty((rows, c.length), dtype=np.dtype(c.dtype))
             else:
                 self._chunks[c.name] = []
+                if c.kind == ARRAY:
+                    self._uniform[c.name] = None
 
     def add(self, parts: Mapping[str, Sequence[pa.Array]], rows: int) -> None:
         """Appends ``rows`` rows given as Arrow chunks per column."""
         lo, hi = self._pos, self._pos + rows
         for c in self._columns:
             chunks = parts[c.name]
+            if c.name in self._uniform:
+                self._add_list(c, chunks, lo)
+                continue
             if c.name in self._chunks:
                 self._chunks[c.name].extend(chunks)
                 continue
@@ -141,19 +156,64 @@ class WindowBuilder:
                 at += len(chunk)
         self._pos = hi
 
+    def _add_list(self, c: ColumnSpec, chunks: Sequence[pa.Array], at: int) -> None:
+        """A variable-length array column: into numpy while every row has one length, else Arrow."""
+        for chunk in chunks:
+            n = len(chunk)
+            known = self._uniform[c.name]
+            if known != -1 and n:
+                length = _one_length(chunk)
+                if length is not None and known in (None, length):
+                    if known is None:
+                        self._uniform[c.name] = length
+                        self._numbers[c.name] = np.empty((self._rows, length), dtype=np.dtype(c.dtype))
+                    values = chunk.flatten()
+                    if values.null_count:
+                        raise _null_elements(c, self._where)
+                    self._numbers[c.name][at : at + n] = values.to_numpy(zero_copy_only=False).reshape(n, length)
+                    at += n
+                    continue
+                self._back_to_arrow(c.name, at, chunk.type)
+            if self._uniform[c.name] == -1:
+                self._chunks[c.name].append(chunk)
+            at += n
+
+    def _back_to_arrow(self, name: str, rows: int, list_type: pa.DataType) -> None:
+        # A second length (or a null row) arrived: the rows so far go back to Arrow, once.
+        self._uniform[name] = -1
+        held = self._numbers.pop(name, None)
+        if held is not None and rows:
+            length = held.shape[1]
+            offsets = pa.array(np.arange(0, (rows + 1) * length, length, dtype=np.int64))
+            flat = pa.array(held[:rows].reshape(-1))
+            self._chunks[name].append(pa.LargeListArray.from_arrays(offsets, flat).cast(list_type))
+
     def finish(self) -> Window:
         """The window; DatasetError when an array column holds null elements."""
         window: Window = dict(self._numbers)
         for name, chunks in self._chunks.items():
-            merged = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
+            if name in window:
+                continue  # a list column whose rows all had one length: numpy already
             c = next(c for c in self._columns if c.name == name)
-            if c.kind == ARRAY and merged.flatten().null_count:
-                raise DatasetError(
-                    f"column {c.name!r} has arrays with null elements ({self._where}); torch tensors "
-                    "cannot hold nulls: fill them before writing, or leave the column out with columns=[...]"
-                )
-            window[name] = merged
+            if c.kind == ARRAY and any(chunk.flatten().null_count for chunk in chunks):
+                raise _null_elements(c, self._where)
+            window[name] = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
         return window
+
+
+def _one_length(chunk: pa.Array) -> int | None:
+    """The one length of every row of a list chunk, or None (two lengths, or a null row)."""
+    if chunk.null_count:
+        return None
+    low, high = pc.min_max(pc.list_value_length(chunk)).values()
+    return None if low.as_py() != high.as_py() else int(low.as_py())
+
+
+def _null_elements(c: ColumnSpec, where: str) -> DatasetError:
+    return DatasetError(
+        f"column {c.name!r} has arrays with null elements ({where}); torch tensors "
+        "cannot hold nulls: fill them before writing, or leave the column out with columns=[...]"
+    )
 
 
 def _null_error(c: ColumnSpec, where: str) -> DatasetError:
@@ -211,7 +271,12 @@ def _make_batch(columns: Sequence[ColumnSpec], window: Window, sel: Selection, p
     for c in columns:
         data = window[c.name]
         if isinstance(data, np.ndarray):
-            batch[c.name] = torch.from_numpy(data[sel])
+            values = data[sel]
+            batch[c.name] = torch.from_numpy(values)
+            if c.kind == ARRAY and c.length is None:
+                # A variable-length column whose rows in this window all have one length: the
+                # same tensors as padding would give.
+                batch[c.name + LENGTHS_SUFFIX] = torch.full((len(values),), values.shape[1], dtype=torch.int64)
             continue
         part = data.slice(sel.start, sel.stop - sel.start) if isinstance(sel, slice) else data.take(pa.array(sel))
         if c.kind == ARRAY:
