@@ -19,7 +19,11 @@ class Backend(Protocol):
         """Raises BackendUnavailableError, with install instructions, when it cannot run."""
 
     def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
-        """Prepares the rank process before the user's function is unpickled and called."""
+        """Prepares the rank process before the user's function is unpickled and called.
+
+        ``use_cuda``: the rank runs on ``cuda:0``, which the rank process has already made the
+        current device.
+        """
 
     def teardown_rank(self) -> None:
         """Releases what setup_rank created; called after the user's function returns."""

@@ -30,10 +30,6 @@ class HorovodBackend:
     def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
         import socket
 
-        import torch
-
-        if use_cuda:
-            torch.cuda.set_device(0)
         hosts = list(gang.hosts)
         isolated = bool(spec.gpu_ids)
         port = gang.master_port

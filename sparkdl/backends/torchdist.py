@@ -39,7 +39,6 @@ class TorchBackend:
             )
 
     def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
-        import torch
         import torch.distributed as dist
 
         timeout = timedelta(seconds=spec.collective_timeout_s)
@@ -60,8 +59,6 @@ class TorchBackend:
             )
         # init_process_group() from the environment then connects to that store as a client.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-        if use_cuda:
-            torch.cuda.set_device(0)
         _install_init_hook(timeout, use_cuda)
         if spec.init_process_group:
             backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"

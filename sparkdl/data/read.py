@@ -167,10 +167,8 @@ class WindowBuilder:
                     if known is None:
                         self._uniform[c.name] = length
                         self._numbers[c.name] = np.empty((self._rows, length), dtype=np.dtype(c.dtype))
-                    values = chunk.flatten()
-                    if values.null_count:
-                        raise _null_elements(c, self._where)
-                    self._numbers[c.name][at : at + n] = values.to_numpy(zero_copy_only=False).reshape(n, length)
+                    rows = _as_matrix(chunk, length, lambda: _null_elements(c, self._where))
+                    self._numbers[c.name][at : at + n] = rows
                     at += n
                     continue
                 self._back_to_arrow(c.name, at, chunk.type)
@@ -244,9 +242,15 @@ def _fixed_arrays(c: ColumnSpec, chunk: pa.Array, where: str) -> np.ndarray:
                 f"as length {length}; the files changed after the manifest was taken, or "
                 "fixed_lengths is wrong for this column"
             )
+    return _as_matrix(chunk, length, lambda: _null_error(c, where))
+
+
+def _as_matrix(chunk: pa.Array, length: int, null_error: Callable[[], DatasetError]) -> np.ndarray:
+    """A chunk of lists that all hold ``length`` elements as a ``[rows, length]`` numpy view;
+    ``null_error()`` is raised when an element is null."""
     values = chunk.flatten()
     if values.null_count:
-        raise _null_error(c, where)
+        raise null_error()
     return values.to_numpy(zero_copy_only=False).reshape(len(chunk), length)
 
 

@@ -10,6 +10,7 @@ the failure policy.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -182,24 +183,28 @@ class Monitor:
         for attempt in range(len(self._gangs)):
             if attempt not in self._start_seq:
                 self._start_seq[attempt] = self._latest_checkpoint()
-        snap = self._snapshot(job_started, progressed={})
+        snap = self._snapshot(job_started)
         # The checkpoint store is read only for the failed attempts that can be judged now.
         ready = {v.attempt for v in snap.attempts if policy.ready_to_judge(v, snap, self.cfg)}
         if ready:
             latest = self._latest_checkpoint()
-            snap = self._snapshot(job_started, progressed={a: latest != self._start_seq.get(a) for a in ready})
+            views = tuple(
+                dataclasses.replace(v, progressed=latest != self._start_seq.get(v.attempt)) if v.attempt in ready else v
+                for v in snap.attempts
+            )
+            snap = dataclasses.replace(snap, attempts=views)
         verdict = policy.judge(snap, self.cfg)
         self._judged.update(verdict.judged)
         if verdict.gave_up:
             self.gave_up = verdict.gave_up
         return verdict
 
-    def _snapshot(self, job_started: float, progressed: dict[int, bool]) -> policy.Snapshot:
+    def _snapshot(self, job_started: float) -> policy.Snapshot:
         by_attempt: dict[int, list[RankRecord]] = {a: [] for a in range(len(self._gangs))}
         for (a, _), rec in self.records.items():
             by_attempt.setdefault(a, []).append(rec)
         views = tuple(
-            policy.AttemptView(a, tuple(recs), judged=a in self._judged, progressed=progressed.get(a))
+            policy.AttemptView(a, tuple(recs), judged=a in self._judged)
             for a, recs in sorted(by_attempt.items())
         )
         return policy.Snapshot(

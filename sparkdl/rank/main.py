@@ -61,12 +61,14 @@ def _record_error(workdir: Path, exc: BaseException, where: str) -> None:
 
 
 def _use_cuda(spec: rankspec.RankSpec) -> bool:
-    """The rank's device, decided once: the GPUs Spark assigned, when this torch can use them."""
+    """The rank's device, decided and set once: the GPUs Spark assigned, when this torch can use them."""
     if not spec.gpu_ids:
         return False
     import torch
 
     if torch.cuda.is_available():
+        # Each rank sees exactly its own GPUs, so its device is cuda:0, for every backend.
+        torch.cuda.set_device(0)
         return True
     print(
         f"sparkdl: Spark assigned GPU(s) {','.join(spec.gpu_ids)} to this rank, but "

@@ -23,8 +23,7 @@ from typing import IO, Any, Protocol
 
 from sparkdl.rankspec import GangSpec, RankSpec, gang_env, rank_env
 from sparkdl.task.net import iface_for
-from sparkdl.task.spawn import RankProcess as _Process
-from sparkdl.task.spawn import kill_group, start_rank
+from sparkdl.task.spawn import ProcessHandle, kill_group, start_rank
 
 
 class Sink(Protocol):
@@ -110,7 +109,7 @@ class RankProcess:
         if store is not None:
             fds["store"] = store.fileno()
         try:
-            self._proc: _Process = start_rank(
+            self._proc: ProcessHandle = start_rank(
                 str(workdir), env, fds, name=f"sparkdl-rank{spec.rank}", prewarm=prewarm, timeout_s=start_timeout_s
             )
         except BaseException:

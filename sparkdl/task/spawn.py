@@ -35,7 +35,9 @@ fd_names = ("stdout", "stderr", "lifeline", "control", "metrics", "store")
 MAX_MESSAGE = 1 << 20
 
 
-class RankProcess(Protocol):
+class ProcessHandle(Protocol):
+    """A started rank as its launcher holds it: a ``subprocess.Popen``, or a rank forked by the zygote."""
+
     pid: int
     stdout: IO[bytes] | None
     stderr: IO[bytes] | None
@@ -221,7 +223,7 @@ def start_rank(
     name: str,
     prewarm: bool,
     timeout_s: float,
-) -> RankProcess:
+) -> ProcessHandle:
     """Starts one rank with ``fds`` (lifeline, control, metrics and, on rank 0, store) passed on.
 
     With ``prewarm`` the rank is forked from the zygote, which has torch imported already; if the
