@@ -4,13 +4,19 @@
 (``arrow_udf`` on pyspark >= 4.1, ``pandas_udf`` before): the model runs on up to
 ``inferenceBatchSize`` rows at once, never on one row at a time. Only the features column travels
 to Python and only the prediction comes back. The model's bytes reach the executors once, as a
-Spark broadcast; each Python worker unpickles them the first time it scores with that model and
-keeps the module in a small per-process cache keyed by the model's content hash and device, so
-later batches, tasks and jobs served by the same (reused) worker skip the load.
+Spark broadcast; each Python worker unpickles them the first time it scores with that model on a
+device and keeps the module in a small per-process cache keyed by the model's content hash and
+the device, so later batches, tasks and jobs served by the same (reused) worker skip the load.
+
+Each task scores on the GPU Spark gave it (``TaskContext.resources()``), looked up per task: with
+``spark.task.resource.gpu.amount`` below 1, several tasks share one GPU, and a reused worker may
+serve tasks of different GPUs one after the other.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -89,23 +95,47 @@ class _WorkerModels:
 _WORKER_MODELS = _WorkerModels(_WORKER_CACHE_SIZE)
 
 
-def _task_device(use_gpu: bool | None) -> torch.device:
-    """The GPU Spark assigned to this task (its first address), else the CPU."""
-    import torch
+def _task_gpu() -> str | None:
+    """The GPU address Spark gave the running task (its first), or None.
+
+    With a fractional amount (``spark.task.resource.gpu.amount=0.25``) several concurrent tasks
+    get the same address, and each must score on that GPU, not on the one a previous task of the
+    same (reused) Python worker had.
+    """
     from pyspark import TaskContext
+
+    tc = TaskContext.get()
+    gpus = tc.resources().get("gpu") if tc is not None else None
+    return str(gpus.addresses[0]) if gpus is not None and gpus.addresses else None
+
+
+# (GPU address) already reported as unusable by this worker: once per worker and address.
+_CPU_FALLBACK_TOLD: set[str] = set()
+
+
+def _task_device(use_gpu: bool | None) -> torch.device:
+    """The GPU Spark assigned to this task, else the CPU (useGpu=None), or a ConfigError (useGpu=True)."""
+    import torch
 
     if use_gpu is False:
         return torch.device("cpu")
-    tc = TaskContext.get()
-    gpus = tc.resources().get("gpu") if tc is not None else None
-    addresses = list(gpus.addresses) if gpus is not None else []
-    if addresses and torch.cuda.is_available():
-        return torch.device("cuda", int(addresses[0]))
+    address = _task_gpu()
+    if address is not None and torch.cuda.is_available():
+        return torch.device("cuda", int(address))
     if use_gpu:
         raise ConfigError(
-            f"useGpu=True, but this task got GPU addresses {addresses} and torch.cuda.is_available() is "
+            f"useGpu=True, but this task got GPU address {address} and torch.cuda.is_available() is "
             f"{torch.cuda.is_available()}; set spark.task.resource.gpu.amount and install a CUDA build of torch "
             "on the executors, or set useGpu=None"
+        )
+    if address is not None and address not in _CPU_FALLBACK_TOLD:
+        _CPU_FALLBACK_TOLD.add(address)
+        print(
+            f"sparkdl: Spark gave this task GPU {address}, but torch.cuda.is_available() is False in this Python "
+            f"worker (pid {os.getpid()}): TorchModel scores on the CPU. Install a CUDA build of torch on the "
+            "executors, or set useGpu=False to score on the CPU without this message.",
+            file=sys.stderr,
+            flush=True,
         )
     return torch.device("cpu")
 
@@ -115,7 +145,8 @@ def _worker_model(scorer: Scorer) -> tuple[Any, torch.device, torch.dtype]:
 
     device = _task_device(scorer.use_gpu)
     module = _WORKER_MODELS.get(
-        (scorer.model_id, str(device)), lambda: cloudpickle.loads(scorer.module_bytes()).to(device).eval()
+        (scorer.model_id, str(device)),
+        lambda: cloudpickle.loads(scorer.module_bytes()).to(device).eval(),
     )
     return module, device, input_dtype(module)
 
@@ -125,21 +156,29 @@ def _features_matrix(arr: pa.Array, scorer: Scorer) -> np.ndarray:
     n = len(arr)
     col = scorer.features_col
     if arr.null_count:
-        raise ConfigError(f"featuresCol={col!r} is null in {arr.null_count} of the {n} rows of a batch; drop or fill them before transform")
+        raise ConfigError(
+            f"featuresCol={col!r} is null in {arr.null_count} of the {n} rows of a batch; drop or fill them before transform"
+        )
     if n == 0:
         return np.zeros((0, scorer.num_features or 0), dtype=np.float32)
     bounds = pc.min_max(pc.list_value_length(arr))
     lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
     d = scorer.num_features if scorer.num_features is not None else lo
     if lo != d or hi != d:
-        raise ConfigError(f"featuresCol={col!r} holds rows of {lo} to {hi} values; the model takes {d} features per row")
+        raise ConfigError(
+            f"featuresCol={col!r} holds rows of {lo} to {hi} values; the model takes {d} features per row"
+        )
     values = arr.flatten()  # respects the array's offset when Spark hands over a slice
     if values.null_count:
-        raise ConfigError(f"featuresCol={col!r} holds null values inside {values.null_count} vectors; fill them before transform")
+        raise ConfigError(
+            f"featuresCol={col!r} holds null values inside {values.null_count} vectors; fill them before transform"
+        )
     return values.to_numpy(zero_copy_only=False).reshape(n, d)
 
 
-def _score_array(arr: pa.Array, scorer: Scorer, model: tuple[Any, torch.device, torch.dtype]) -> pa.Array:
+def _score_array(
+    arr: pa.Array, scorer: Scorer, model: tuple[Any, torch.device, torch.dtype]
+) -> pa.Array:
     import torch
 
     module, device, dtype = model
@@ -149,10 +188,16 @@ def _score_array(arr: pa.Array, scorer: Scorer, model: tuple[Any, torch.device, 
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for start in range(0, len(x), scorer.batch_rows):
-            xb = torch.from_numpy(x[start : start + scorer.batch_rows]).to(device=device, dtype=dtype)
+            xb = torch.from_numpy(x[start : start + scorer.batch_rows]).to(
+                device=device, dtype=dtype
+            )
             outs.append(_postprocess(module(xb), scorer).cpu().numpy())
     if scorer.vector_out:
-        flat = np.concatenate([o.reshape(len(o), -1) for o in outs]) if outs else np.zeros((0, 0), np.float32)
+        flat = (
+            np.concatenate([o.reshape(len(o), -1) for o in outs])
+            if outs
+            else np.zeros((0, 0), np.float32)
+        )
         width = flat.shape[1] if flat.ndim == 2 else 0
         offsets = pa.array(np.arange(len(x) + 1, dtype=np.int32) * width)
         return pa.ListArray.from_arrays(offsets, pa.array(flat.reshape(-1).astype(np.float32)))
@@ -197,7 +242,9 @@ def scoring_column(scorer: Scorer, features: Column) -> Column:
 
         # Spark picks the UDF kind from the type hints; set as objects, they need no name lookup.
         score_arrow.__annotations__ = {"batches": Iterator[pa.Array], "return": Iterator[pa.Array]}
-        make_udf: Any = F.arrow_udf  # its overloads want a literal functionType; the hints decide it
+        make_udf: Any = (
+            F.arrow_udf
+        )  # its overloads want a literal functionType; the hints decide it
         return cast("Column", make_udf(score_arrow, scorer.return_type)(features))
 
     import pandas as pd
