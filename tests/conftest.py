@@ -122,9 +122,7 @@ def wait_no_leaks(before: set[tuple[str, int, int]], timeout_s: float = 20.0) ->
     deadline = time.monotonic() + timeout_s
     while True:
         ranks = _rank_processes()
-        new_listeners = {
-            (ip, port, pid) for ip, port, pid in _listeners_outside_jvm() - before
-        }
+        new_listeners = {(ip, port, pid) for ip, port, pid in _listeners_outside_jvm() - before}
         if not ranks and not new_listeners:
             return
         if time.monotonic() > deadline:
@@ -151,3 +149,57 @@ def no_leaks() -> Iterator[None]:
     before = _listeners_outside_jvm()
     yield
     wait_no_leaks(before)
+
+
+@pytest.fixture(scope="session")
+def fake_gpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], str]:
+    """A factory of GPU discovery scripts that give every fake worker GPUs of its own.
+
+    ``fake_gpus(k)`` writes a script whose n-th call (Spark calls it once per worker) reports the
+    addresses ``n*k .. n*k+k-1``; calls claim their n with ``mkdir``, which is atomic. Distinct
+    addresses per worker are what let a test tell one executor's GPUs from another's.
+    """
+
+    def make(per_worker: int) -> str:
+        directory = tmp_path_factory.mktemp("fake-gpus")
+        (directory / "claims").mkdir()
+        script = directory / "discover.sh"
+        script.write_text(
+            "#!/usr/bin/env bash\n"
+            f"# Fake GPUs for tests: call n reports addresses n*{per_worker} .. n*{per_worker}+{per_worker - 1}.\n"
+            f"n=0; while ! mkdir '{directory}/claims/'$n 2>/dev/null; do n=$((n+1)); done\n"
+            f'first=$((n*{per_worker})); list=""\n'
+            f'for ((i=first; i<first+{per_worker}; i++)); do list="$list${{list:+,}}\\"$i\\""; done\n'
+            'echo "{\\"name\\": \\"gpu\\", \\"addresses\\": [$list]}"\n'
+        )
+        script.chmod(0o755)
+        return str(script)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def executor_gpus() -> Callable[[], dict[int, set[str]]]:
+    """``executor_gpus()``: Spark's side of GPU assignment, each live executor JVM's pid -> the GPU
+    addresses its worker allocated to it, read from the resources file on its command line
+    (standalone and local-cluster pass ``--resourcesFile``), independently of sparkdl."""
+    return _executor_gpus
+
+
+def _executor_gpus() -> dict[int, set[str]]:
+    import json
+
+    found: dict[int, set[str]] = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if (
+            "org.apache.spark.executor.CoarseGrainedExecutorBackend" in cmd
+            and "--resourcesFile" in cmd
+        ):
+            path = cmd[cmd.index("--resourcesFile") + 1]
+            with open(path) as f:
+                allocations = json.load(f)
+            found[proc.info["pid"]] = {
+                a for r in allocations if r["id"]["resourceName"] == "gpu" for a in r["addresses"]
+            }
+    return found

@@ -1,15 +1,15 @@
 """sparkdl.run on local-cluster: ranks on separate executor JVMs, and GPU assignment on CPUs.
 
 GPU scheduling is tested the way Spark's own tests do it: a discovery script that reports fake
-GPU addresses, so that Spark assigns one "GPU" per task and sparkdl must pass exactly that one
-to its rank through CUDA_VISIBLE_DEVICES.
+GPU addresses. Each fake worker owns addresses of its own (0,1 and 2,3), and what each executor
+was allocated is read from Spark's side (its resources file), so a rank that saw another task's
+or another executor's GPU, or the same GPU as a neighbour, fails the test.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -22,16 +22,18 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
-FAKE_GPUS = str(Path(__file__).parent / "resources" / "fake-gpus.sh")
 CFG = sparkdl.RunConfig(start_timeout_s=90, slot_wait_s=60, connect_timeout_s=30)
-GPU_CONF = {
-    "spark.worker.resource.gpu.amount": "2",
-    "spark.worker.resource.gpu.discoveryScript": FAKE_GPUS,
-    "spark.executor.resource.gpu.amount": "1",
-    "spark.executor.resource.gpu.discoveryScript": FAKE_GPUS,
-    "spark.task.resource.gpu.amount": "1",
-    "spark.executor.memory": "512m",
-}
+
+
+def _gpu_conf(script: str, per_task: int) -> dict[str, str]:
+    """Two GPUs per worker and per executor (2 cores each), ``per_task`` per task."""
+    return {
+        "spark.worker.resource.gpu.amount": "2",
+        "spark.worker.resource.gpu.discoveryScript": script,
+        "spark.executor.resource.gpu.amount": "2",
+        "spark.task.resource.gpu.amount": str(per_task),
+        "spark.executor.memory": "512m",
+    }
 
 
 @pytest.fixture
@@ -39,9 +41,19 @@ def cluster(spark_session):  # type: ignore[no-untyped-def]
     return spark_session("local-cluster[2,1,1024]", {"spark.executor.memory": "512m"})
 
 
+@pytest.fixture(scope="module")
+def gpu_script(fake_gpus):  # type: ignore[no-untyped-def]
+    return fake_gpus(2)
+
+
 @pytest.fixture
-def gpu_cluster(spark_session):  # type: ignore[no-untyped-def]
-    return spark_session("local-cluster[2,1,1024]", GPU_CONF)
+def gpu_cluster(spark_session, gpu_script):  # type: ignore[no-untyped-def]
+    return spark_session("local-cluster[2,2,1024]", _gpu_conf(gpu_script, 1))
+
+
+@pytest.fixture
+def two_gpus_per_task(spark_session, gpu_script):  # type: ignore[no-untyped-def]
+    return spark_session("local-cluster[2,2,1024]", _gpu_conf(gpu_script, 2))
 
 
 def who_am_i() -> dict[str, Any]:
@@ -55,7 +67,9 @@ def who_am_i() -> dict[str, Any]:
         "rank": ctx.rank,
         "sum": t.item(),
         "executor_pid": next(
-            p.pid for p in psutil.Process(int(os.environ["SPARKDL_TASK_PID"])).parents() if p.name().startswith("java")
+            p.pid
+            for p in psutil.Process(int(os.environ["SPARKDL_TASK_PID"])).parents()
+            if p.name().startswith("java")
         ),
         "zygote_pid": os.getppid(),
         "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -79,20 +93,43 @@ def test_ranks_run_on_separate_executors(cluster, no_leaks) -> None:  # type: ig
     assert all(r["cuda_visible"] == "" and r["device"] == "cpu" for r in ranks)
 
 
-def test_each_rank_sees_exactly_the_gpu_spark_assigned(gpu_cluster, no_leaks, capfd) -> None:  # type: ignore[no-untyped-def]
-    out = sparkdl.run(who_am_i, num_workers=2, config=CFG)  # use_gpu: auto from the confs
+def test_each_rank_sees_exactly_the_gpu_spark_assigned(
+    gpu_cluster, executor_gpus, no_leaks, capfd
+) -> None:  # type: ignore[no-untyped-def]
+    out = sparkdl.run(who_am_i, num_workers=4, config=CFG)  # use_gpu: auto from the confs
     ranks = out["ranks"]
+    allocated = executor_gpus()  # Spark's side: executor JVM pid -> its GPUs
+    assert len(allocated) == 2 and not set.intersection(*allocated.values()), allocated
     for r in ranks:
-        assert r["cuda_visible"] in ("0", "1")
+        # One GPU, one the rank's own executor was given, shown to the rank as its only device.
+        assert r["cuda_visible"] in allocated[r["executor_pid"]], (r, allocated)
         assert r["gpu_ids"] == [r["cuda_visible"]]
         assert r["local_rank"] == 0
         # torch here is a CPU build: the rank warns and runs on the CPU.
         assert r["device"] == "cpu"
+    # Two tasks per executor, each with a GPU of its own: no two ranks share one.
+    assert len({r["cuda_visible"] for r in ranks}) == 4
     _, err = capfd.readouterr()
     assert "torch.cuda.is_available() is False" in err
 
 
+def test_a_task_with_two_gpus_gives_its_rank_both(
+    two_gpus_per_task, executor_gpus, no_leaks
+) -> None:  # type: ignore[no-untyped-def]
+    out = sparkdl.run(who_am_i, num_workers=2, config=CFG)
+    allocated = executor_gpus()
+    ranks = out["ranks"]
+    assert len({r["executor_pid"] for r in ranks}) == 2
+    for r in ranks:
+        # The whole executor's pair, in Spark's order, as cuda:0 and cuda:1 of one rank.
+        assert set(r["gpu_ids"]) == allocated[r["executor_pid"]], (r, allocated)
+        assert r["cuda_visible"] == ",".join(r["gpu_ids"])
+        assert r["local_rank"] == 0
+
+
 def test_too_many_gpu_workers_fail_fast_naming_gpu_confs(gpu_cluster, no_leaks) -> None:  # type: ignore[no-untyped-def]
     cfg = sparkdl.RunConfig(slot_wait_s=2)
-    with pytest.raises(sparkdl.InsufficientSlotsError, match=r"spark\.task\.resource\.gpu\.amount=1"):
-        sparkdl.run(who_am_i, num_workers=3, config=cfg)
+    with pytest.raises(
+        sparkdl.InsufficientSlotsError, match=r"spark\.task\.resource\.gpu\.amount=1"
+    ):
+        sparkdl.run(who_am_i, num_workers=5, config=cfg)

@@ -27,20 +27,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
 
-def _discovery_script(tmp: Path) -> str:
-    """A GPU discovery script whose n-th call reports address n (a mkdir claim: atomic)."""
-    state = tmp / "claims"
-    state.mkdir()
-    script = tmp / "one-gpu-each.sh"
-    script.write_text(
-        "#!/usr/bin/env bash\n"
-        f"i=0; while ! mkdir '{state}'/$i 2>/dev/null; do i=$((i+1)); done\n"
-        'echo "{\\"name\\": \\"gpu\\", \\"addresses\\": [\\"$i\\"]}"\n'
-    )
-    script.chmod(0o755)
-    return str(script)
-
-
 class WhereNet(torch.nn.Module):
     """Records each load (per pid) and, per forward, the pid, partition and Spark's GPU address."""
 
@@ -74,10 +60,12 @@ def _executor_stderr(app_id: str) -> dict[str, str]:
     return {p.parent.name: p.read_text(errors="replace") for p in files}
 
 
-def test_fractional_gpus_each_task_its_address_one_load_per_worker(spark_session, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fractional_gpus_each_task_its_address_one_load_per_worker(
+    spark_session, fake_gpus, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     conf = {
         "spark.worker.resource.gpu.amount": "1",
-        "spark.worker.resource.gpu.discoveryScript": _discovery_script(tmp_path),
+        "spark.worker.resource.gpu.discoveryScript": fake_gpus(1),
         "spark.executor.resource.gpu.amount": "1",
         "spark.task.resource.gpu.amount": "0.25",
         "spark.executor.memory": "512m",
