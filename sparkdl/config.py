@@ -44,8 +44,8 @@ class RunConfig:
             own ``init_process_group`` call without a timeout): a rank that waits this long in a
             collective fails, and the gang reruns.
         connect_timeout_s: bound on a task's connection to the driver and on its first reply.
-        handshake_timeout_s: how long a peer that connects to the driver's channel has to send
-            its first authenticated message before it is dropped.
+        handshake_timeout_s: how long, in all, a peer that connects to the driver's channel has
+            to send its first authenticated frame, however slowly it sends, before it is dropped.
         kill_grace_s: after a run is stopped, how long to wait for Spark to end its tasks.
         log_tail_lines: lines of each rank's output kept for the failure report.
         init_process_group: create the default torch process group before calling ``fn``.
