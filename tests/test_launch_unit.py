@@ -165,3 +165,15 @@ def test_channel_server_stops_listening_when_closed() -> None:
         address = server.address
     with pytest.raises(OSError):
         socket.create_connection(address, timeout=2)
+
+
+def test_the_task_payload_never_shows_the_run_secret() -> None:
+    # The payload reaches tasks pickled, and may be printed in a task's traceback or a log line.
+    from sparkdl.rankspec import RunSpec
+    from sparkdl.task.main import TaskPayload
+
+    secret = "ab" * 32
+    run = RunSpec(run_id="r", world_size=2, backend="torch", use_gpu=False, checkpoint_url="/tmp/x", config=sparkdl.RunConfig())
+    payload = TaskPayload(run, b"fn", secret, "127.0.0.1", 5000)
+    assert secret not in repr(payload) and secret not in str(payload)
+    assert pickle.loads(pickle.dumps(payload)).secret_hex == secret

@@ -16,7 +16,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ class TaskPayload:
 
     run: RunSpec
     fn_bytes: bytes
-    secret_hex: str
+    secret_hex: str = field(repr=False)  # never in a log line or a traceback's locals
     driver_host: str
     driver_port: int
 
