@@ -537,3 +537,64 @@ def test_plain_lists_of_one_length_give_the_same_tensors_as_padding(tmp_path: Pa
                 assert row[:n].tolist() == [i * 10 + k for k in range(n)] and not row[n:].any()
             seen.extend(ids.tolist())
     assert sorted(seen) == sorted(list(range(1200)) * 2)
+
+
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_batches_kept_across_windows_and_epochs_keep_their_values(ds: Dataset, prefetch: int) -> None:
+    # Shuffle windows' arrays are reused for later windows and epochs; the batches handed out
+    # are copies, so batches a training loop keeps (e.g. for a validation pass) do not change.
+    loader = ds.loader(64, seed=5, rank=0, world_size=1, shuffle_window=640, prefetch=prefetch)
+    kept = [batch for _ in range(3) for batch in loader]
+    assert len(kept) == 3 * len(loader)
+    for batch in kept:
+        ids = batch["id"].numpy()
+        assert np.array_equal(batch["f32"].numpy(), ids.astype(np.float32) / 2)
+        assert np.array_equal(batch["fixed"].numpy(), np.repeat(ids, 3).reshape(-1, 3).astype(np.float32))
+        assert np.array_equal(batch["pair"].numpy(), np.repeat(ids, 2).reshape(-1, 2).astype(np.float64))
+
+
+def test_spares_reuse_a_window_array_and_let_go_of_one_that_does_not_fit() -> None:
+    from sparkdl.data.read import Spares
+
+    spares = Spares()
+    first = spares.take((100, 3), "float32")
+    labels = np.zeros(100, np.int64)
+    spares.give({"x": first, "y": labels[:50]})  # a view (a last window): its whole array is kept
+    again = spares.take((80, 3), "float32")  # fewer rows: the first rows of a spare
+    assert again.shape == (80, 3) and np.shares_memory(again, first)
+    assert np.shares_memory(spares.take((100,), "int64"), labels)
+    spares.give({"x": again})
+    bigger = spares.take((120, 3), "float32")  # no spare fits: all are let go, a new one is made
+    assert bigger.shape == (120, 3) and not np.shares_memory(bigger, first)
+
+
+def test_arrow_to_numpy_reads_the_buffers_of_slices_and_bits() -> None:
+    from sparkdl.data.arrow import list_lengths, list_values, to_numpy
+
+    for arr in (pa.array(np.arange(10, dtype=np.int8)), pa.array(np.linspace(0, 1, 10, dtype=np.float16)),
+                pa.array(np.arange(10, dtype=np.uint32)), pa.array([i % 3 == 0 for i in range(10)])):
+        for part in (arr, arr.slice(3), arr.slice(9, 1), arr.slice(10)):
+            got = to_numpy(part)
+            assert got.dtype == part.type.to_pandas_dtype() and got.tolist() == part.to_pylist()
+    lists = pa.array([[1.0], None, [2.0, 3.0], [], [4.0, 5.0, 6.0]], pa.list_(pa.float32()))
+    assert list_lengths(lists).tolist() == [1, 0, 2, 0, 3] and list_lengths(lists.slice(2)).tolist() == [2, 0, 3]
+    assert list_values(lists.slice(2)).to_pylist() == [2.0, 3.0, 4.0, 5.0, 6.0]
+    fixed = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(6, dtype=np.int64)), 2).slice(1)
+    assert list_lengths(fixed).tolist() == [2, 2] and list_values(fixed).to_pylist() == [2, 3, 4, 5]
+
+
+def test_feeding_numbers_and_arrays_does_not_import_pandas(data_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    # pyarrow's own to_numpy loads pandas (about 50 MiB); the loader reads Arrow buffers itself.
+    code = (
+        "import sys, sparkdl\n"
+        f"ds = sparkdl.Dataset({str(data_dir)!r})\n"
+        "for shuffle in (True, False):\n"
+        "    for b in ds.loader(64, shuffle=shuffle, rank=0, world_size=1, columns=['id', 'f32', 'flag', 'fixed', 'pair']):\n"
+        "        pass\n"
+        "print('pandas' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

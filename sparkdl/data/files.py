@@ -102,8 +102,12 @@ class ParquetFiles:
         fs, root = self._filesystem()
         rel = self._manifest.files[index].path
         full = root if self._single_file else posixpath.join(root, rel)
+        # pyarrow >= 15 pre-buffers by default: each open file keeps the raw column chunks of the
+        # row group it read last until its next read. A local read gains nothing from that, and
+        # the open files would hold a row group each.
+        options = {"pre_buffer": False} if fs.type_name == "local" else {}
         try:
-            return pq.ParquetFile(fs.open_input_file(full))
+            return pq.ParquetFile(fs.open_input_file(full), **options)
         except Exception as exc:
             raise DatasetError(
                 f"cannot open {redact(self._url)}/{rel}: {type(exc).__name__}: {exc}. The dataset "
@@ -139,6 +143,7 @@ class RowGroupReader:
         """Row group ``g``'s selected columns; DatasetError when it cannot be read or changed."""
         if self._last is not None and self._last[0] == g:
             return self._last[1]
+        self._last = None  # let the previous group go before the next is decoded beside it
         f = int(self._rg_file[g])
         self._last_file = f
         handle = self._files.pop(f, None) or self._source._open_file(f)

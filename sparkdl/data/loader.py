@@ -50,7 +50,7 @@ from sparkdl.data.manifest import ARRAY, UNSUPPORTED, ColumnSpec, Manifest
 from sparkdl.data.petastorm import check_petastorm, petastorm_batches
 from sparkdl.data.plan import EpochPlan
 from sparkdl.data.prefetch import Iteration
-from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker, arrow_batches
+from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker, Spares, arrow_batches
 from sparkdl.errors import ConfigError, NotInRunError
 
 _STATE_VERSION = 1
@@ -69,8 +69,9 @@ class Loader:
     largest row group, at most 128 MiB of uncompressed data, and at least one batch. A window is
     then rounded to a multiple of ``batch_size`` and evened out so that the rank's share is cut
     into windows of equal size (``loader.shuffle_window`` tells the result). Memory held is about
-    three windows (the one being served, the one being read ahead, one row group) plus
-    ``prefetch`` batches, the same in every epoch.
+    two windows (the one being served and the one being read ahead; their arrays are reused for
+    the next windows and epochs, and kept between epochs until :meth:`close`) plus one row
+    group and ``prefetch`` batches. Without shuffle, about two row groups' worth is held.
 
     Resume: :meth:`state_dict` records the epoch and the number of batches this loader has
     yielded in it; after :meth:`load_state_dict` the next iteration yields exactly the batches
@@ -83,7 +84,10 @@ class Loader:
     shard again from its start if it runs short. That keeps the equal-steps guarantee and the
     output format, but not exact coverage: Petastorm shards by row groups, which may hold
     unequal rows. Resume skips the batches already yielded, which repeats the same batches only
-    when Petastorm's own order is deterministic (``petastorm_workers=1``).
+    when Petastorm's own order is deterministic (``petastorm_workers=1``). A plain Parquet list
+    column (its lengths not known up front) is read when each row group's rows have one length,
+    learnt as batches arrive; a row group of unequal lengths raises
+    :class:`~sparkdl.DatasetError` naming the column and the row group.
 
     The arguments are those of :meth:`Dataset.loader`; ``dataset`` may be any
     :class:`~sparkdl.data.files.ParquetFiles`, of which ``Dataset`` is one.
@@ -135,11 +139,12 @@ class Loader:
             shuffle_window=shuffle_window,
         )
         if reader == "petastorm":
-            check_petastorm(self._plan, selected)
+            check_petastorm(self._plan, selected, lengths_known=dataset.manifest.written_by_sparkdl)
         # What the reader thread needs, and nothing that refers back to this loader, so that
         # dropping the loader stops its thread.
         self._files = dataset
         self._make = BatchMaker(selected, pin, transform)
+        self._spares = Spares()  # shuffle windows' arrays, reused from window to window and epoch to epoch
         self._reader = reader
         self._petastorm_workers = petastorm_workers
         self._prefetch = prefetch
@@ -255,8 +260,10 @@ class Loader:
     def close(self) -> None:
         """Stops the background reader of an unfinished iteration (``break`` out of a loop keeps it
         waiting, with its prefetched batches, until the loader is dropped or iterated again).
-        The position is kept; iterating again resumes from it."""
+        The position is kept; iterating again resumes from it. The memory kept for the next
+        shuffle windows is let go too."""
         self._close_active()
+        self._spares.clear()
 
     def __enter__(self) -> Loader:
         return self
@@ -269,11 +276,17 @@ class Loader:
         batches: Iterator[Batch]
         if self._reader == "petastorm":
             batches = petastorm_batches(
-                self._files.url, self._plan, self._make, self._petastorm_workers, self._epoch, self._step
+                self._files, self._plan, self._make, self._petastorm_workers, self._epoch, self._step
             )
         else:
             batches = arrow_batches(
-                self._files, self._plan, self._make, self._epoch, self._step, read_ahead=self._prefetch > 0
+                self._files,
+                self._plan,
+                self._make,
+                self._epoch,
+                self._step,
+                read_ahead=self._prefetch > 0,
+                spares=self._spares,
             )
         self._active = Iteration(batches, self._prefetch, on_batch=self._consumed, on_end=self._finished)
         return self._active

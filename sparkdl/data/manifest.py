@@ -160,8 +160,9 @@ class Manifest:
 
 def column_spec(field: pa.Field, length: int | None = None) -> ColumnSpec:
     """Maps an Arrow field to the loader's view of it; ``length`` is a known array length."""
-    import numpy as np
     import pyarrow as pa
+
+    from sparkdl.data.arrow import numpy_dtype
 
     t = field.type
 
@@ -169,13 +170,13 @@ def column_spec(field: pa.Field, length: int | None = None) -> ColumnSpec:
         return bool(pa.types.is_integer(x) or pa.types.is_floating(x) or pa.types.is_boolean(x))
 
     if numeric(t):
-        return ColumnSpec(field.name, SCALAR, np.dtype(t.to_pandas_dtype()).name)
+        return ColumnSpec(field.name, SCALAR, numpy_dtype(t).name)
     if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) and numeric(
         t.value_type
     ):
         if pa.types.is_fixed_size_list(t):
             length = t.list_size
-        return ColumnSpec(field.name, ARRAY, np.dtype(t.value_type.to_pandas_dtype()).name, length)
+        return ColumnSpec(field.name, ARRAY, numpy_dtype(t.value_type).name, length)
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return ColumnSpec(field.name, BINARY, "bytes")
     if pa.types.is_string(t) or pa.types.is_large_string(t):

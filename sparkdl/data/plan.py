@@ -65,6 +65,9 @@ class EpochPlan:
             self.per_rank = -(-total // world_size)
             self.steps = -(-self.per_rank // b)
         self.window = self._window_rows(shuffle_window, manifest.uncompressed_bytes)
+        # Rows read and held at a time. Without shuffle nothing is mixed, so one row group's worth
+        # (in whole batches) is enough, and memory stays near that of a plain row-group reader.
+        self.unit = self.window if shuffle else min(self.window, _ceil_div(int(self.rg_rows.max()), b) * b)
 
     def _window_rows(self, requested: int | None, uncompressed_bytes: int) -> int:
         b, share = self.batch_size, self.per_rank

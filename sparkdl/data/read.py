@@ -8,6 +8,7 @@ Arrow until a batch is cut from them. The output format is described in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from sparkdl.data.arrow import list_lengths, list_values, to_numpy
 from sparkdl.data.files import ParquetFiles, RowGroupReader
 from sparkdl.data.manifest import ARRAY, BINARY, SCALAR, STRING, ColumnSpec
 from sparkdl.data.plan import EpochPlan, pieces
@@ -56,49 +57,107 @@ class BatchMaker:
 
 
 def arrow_batches(
-    files: ParquetFiles, plan: EpochPlan, make: BatchMaker, epoch: int, start_step: int, *, read_ahead: bool
+    files: ParquetFiles,
+    plan: EpochPlan,
+    make: BatchMaker,
+    epoch: int,
+    start_step: int,
+    *,
+    read_ahead: bool,
+    spares: Spares | None = None,
 ) -> Iterator[Batch]:
     """This rank's batches of ``epoch`` from step ``start_step`` on, read with pyarrow.
 
-    With ``read_ahead``, one thread reads and decodes the next window while this one's batches
-    are served.
+    The share is read in units of ``plan.unit`` rows (the shuffle window, or about one row group
+    without shuffle). With ``read_ahead``, one thread reads and decodes the next unit while this
+    one's batches are served. A unit is let go as soon as its last batch is cut. With shuffle,
+    batches are copies, so a served window's arrays go to ``spares`` and the window after next
+    is read into them: the same memory serves every window of every epoch, with no pages to
+    fault in again and nothing for the allocator to hold on to.
     """
     columns = make.columns
     order = plan.row_group_order(epoch)
-    window, per_rank, b = plan.window, plan.per_rank, plan.batch_size
+    unit, per_rank, b = plan.unit, plan.per_rank, plan.batch_size
     first = start_step * b
-    windows = range(first // window, -(-per_rank // window))
+    units = range(first // unit, -(-per_rank // unit))
     reader = RowGroupReader(files, plan.rg_file, plan.rg_index, plan.rg_rows, columns)
     base = plan.rank * per_rank
+    spare = spares if plan.shuffle else None
 
     def read(k: int) -> Window:
-        lo, hi = k * window, min((k + 1) * window, per_rank)
+        lo, hi = k * unit, min((k + 1) * unit, per_rank)
         share = pieces(plan.rg_rows, order, base + lo, hi - lo)
-        builder = WindowBuilder(columns, hi - lo, _where(files, plan, share))
+        builder = WindowBuilder(columns, hi - lo, _where(files, plan, share), spare)
         for g, a, z in share:
             part = reader.row_group(g).slice(a, z - a)
             builder.add({c.name: part.column(c.name).chunks for c in columns}, z - a)
+            del part
         return builder.finish()
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-read") if read_ahead else None
     try:
         pending: Future[Window] | None = None
-        for i, k in enumerate(windows):
+        for i, k in enumerate(units):
             if pool is None:
                 data = read(k)
             else:
                 data = (pending or pool.submit(read, k)).result()
-                pending = pool.submit(read, windows[i + 1]) if i + 1 < len(windows) else None
-            n = min((k + 1) * window, per_rank) - k * window
+                pending = pool.submit(read, units[i + 1]) if i + 1 < len(units) else None
+            n = min((k + 1) * unit, per_rank) - k * unit
             perm = plan.window_permutation(epoch, k, n) if plan.shuffle else None
-            s = max(first - k * window, 0)
+            s = max(first - k * unit, 0)
             while s < n:
                 e = min(s + b, n)
                 yield make(data, perm[s:e] if perm is not None else slice(s, e))
                 s = e
+            if spare is not None:
+                spare.give(data)
+            del data, perm
     finally:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Spares:
+    """The numpy arrays of served shuffle windows, kept for the windows still to be read.
+
+    Shared by the thread that serves windows (``give``) and the one that reads them (``take``).
+    Two per column are enough: a window is given back before the window after next is read, and
+    the last two windows of an epoch hand theirs to the first two of the next.
+    """
+
+    _KEEP = 2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """An array of ``shape`` and ``dtype``: the first rows of a spare one, or a new one."""
+        key = (shape[1:], np.dtype(dtype).str)
+        with self._lock:
+            free = self._free.get(key)
+            spare = free.pop() if free else None
+            if spare is None or len(spare) < shape[0]:
+                self._free.clear()  # a shape no spare fits: let them all go before allocating
+                spare = None
+        return _new_array(shape, dtype) if spare is None else spare[: shape[0]]
+
+    def give(self, window: Window) -> None:
+        """Takes back the numpy arrays of a window whose batches are all cut (all copies)."""
+        with self._lock:
+            for data in window.values():
+                if isinstance(data, np.ndarray):
+                    root = data if data.base is None else data.base
+                    if isinstance(root, np.ndarray) and root.base is None:
+                        free = self._free.setdefault((root.shape[1:], root.dtype.str), [])
+                        if len(free) < self._KEEP:
+                            free.append(root)
+
+    def clear(self) -> None:
+        """Lets every spare array go."""
+        with self._lock:
+            self._free.clear()
 
 
 def _where(files: ParquetFiles, plan: EpochPlan, share: Sequence[tuple[int, int, int]]) -> str:
@@ -117,8 +176,9 @@ class WindowBuilder:
     it without Arrow ``take`` or padding. Its batches are the same tensors either way.
     """
 
-    def __init__(self, columns: Sequence[ColumnSpec], rows: int, where: str) -> None:
+    def __init__(self, columns: Sequence[ColumnSpec], rows: int, where: str, spare: Spares | None = None) -> None:
         self._columns = columns
+        self._empty = spare.take if spare is not None else _new_array
         self._rows = rows
         self._where = where
         self._pos = 0
@@ -129,9 +189,9 @@ class WindowBuilder:
         self._uniform: dict[str, int | None] = {}
         for c in columns:
             if c.kind == SCALAR:
-                self._numbers[c.name] = np.empty(rows, dtype=np.dtype(c.dtype))
+                self._numbers[c.name] = self._empty((rows,), c.dtype)
             elif c.kind == ARRAY and c.length is not None:
-                self._numbers[c.name] = np.empty((rows, c.length), dtype=np.dtype(c.dtype))
+                self._numbers[c.name] = self._empty((rows, c.length), c.dtype)
             else:
                 self._chunks[c.name] = []
                 if c.kind == ARRAY:
@@ -166,7 +226,7 @@ class WindowBuilder:
                 if length is not None and known in (None, length):
                     if known is None:
                         self._uniform[c.name] = length
-                        self._numbers[c.name] = np.empty((self._rows, length), dtype=np.dtype(c.dtype))
+                        self._numbers[c.name] = self._empty((self._rows, length), c.dtype)
                     rows = _as_matrix(chunk, length, lambda: _null_elements(c, self._where))
                     self._numbers[c.name][at : at + n] = rows
                     at += n
@@ -199,12 +259,17 @@ class WindowBuilder:
         return window
 
 
+def _new_array(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return np.empty(shape, dtype=np.dtype(dtype))
+
+
 def _one_length(chunk: pa.Array) -> int | None:
     """The one length of every row of a list chunk, or None (two lengths, or a null row)."""
     if chunk.null_count:
         return None
-    low, high = pc.min_max(pc.list_value_length(chunk)).values()
-    return None if low.as_py() != high.as_py() else int(low.as_py())
+    lengths = list_lengths(chunk)
+    low, high = int(lengths.min()), int(lengths.max())
+    return None if low != high else low
 
 
 def _null_elements(c: ColumnSpec, where: str) -> DatasetError:
@@ -225,7 +290,7 @@ def _scalars(c: ColumnSpec, chunk: pa.Array, where: str) -> np.ndarray:
     """A numeric chunk as numpy (a zero-copy view when it can be; the caller copies it)."""
     if chunk.null_count:
         raise _null_error(c, where)
-    return chunk.to_numpy(zero_copy_only=False)
+    return to_numpy(chunk)
 
 
 def _fixed_arrays(c: ColumnSpec, chunk: pa.Array, where: str) -> np.ndarray:
@@ -234,7 +299,7 @@ def _fixed_arrays(c: ColumnSpec, chunk: pa.Array, where: str) -> np.ndarray:
     if chunk.null_count:
         raise _null_error(c, where)
     if not pa.types.is_fixed_size_list(chunk.type) and len(chunk):
-        lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False)
+        lengths = list_lengths(chunk)
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo != length or hi != length:
             raise DatasetError(
@@ -247,17 +312,17 @@ def _fixed_arrays(c: ColumnSpec, chunk: pa.Array, where: str) -> np.ndarray:
 
 def _as_matrix(chunk: pa.Array, length: int, null_error: Callable[[], DatasetError]) -> np.ndarray:
     """A chunk of lists that all hold ``length`` elements as a ``[rows, length]`` numpy view;
-    ``null_error()`` is raised when an element is null."""
-    values = chunk.flatten()
+    ``null_error()`` is raised when an element is null. The chunk has no null rows."""
+    values = list_values(chunk)
     if values.null_count:
         raise null_error()
-    return values.to_numpy(zero_copy_only=False).reshape(len(chunk), length)
+    return to_numpy(values).reshape(len(chunk), length)
 
 
 def _padded(arr: pa.Array, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """A list array as a zero-padded ``[rows, longest]`` array and its lengths, with no per-row Python."""
-    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-    values = arr.flatten().to_numpy(zero_copy_only=False)
+    lengths = list_lengths(arr)
+    values = to_numpy(arr.flatten())
     n = len(lengths)
     out = np.zeros((n, int(lengths.max()) if n else 0), dtype=np.dtype(dtype))
     if values.size:
