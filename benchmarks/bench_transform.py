@@ -112,27 +112,33 @@ def row_at_a_time_udf(model: Any) -> Any:
     return udf(score_one, "double")
 
 
-def handover_udf(out_type: Any) -> Any:
-    """An iterator UDF that takes the features in and gives zeros back: Spark's cost alone."""
+def handover_udf(width: int | None) -> Any:
+    """An iterator UDF that takes the features in and gives zeros back: Spark's cost alone.
+
+    ``width`` None: one double per row (a classifier's column); else ``width`` floats per row,
+    the shape a regression's prediction column has, so that the way back costs what it costs
+    the scorers.
+    """
     from collections.abc import Iterator
 
     import numpy as np
     import pyarrow as pa
     from pyspark.sql import functions as F
 
+    out_type = "double" if width is None else "array<float>"
+
     def zeros(batches: Any) -> Any:
         for batch in batches:
             n = len(batch)
-            if isinstance(out_type, str):  # "double"
+            if width is None:
                 yield pa.array(np.zeros(n))
             else:
-                yield pa.ListArray.from_arrays(
-                    pa.array(np.zeros(n + 1, np.int32)), pa.array([], pa.float32())
-                )
+                offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width)
+                yield pa.ListArray.from_arrays(offsets, pa.array(np.zeros(n * width, np.float32)))
 
     if hasattr(F, "arrow_udf"):
         zeros.__annotations__ = {"batches": Iterator[pa.Array], "return": Iterator[pa.Array]}
-        return F.arrow_udf(zeros, "double" if isinstance(out_type, str) else "array<float>")
+        return F.arrow_udf(zeros, out_type)
     import pandas as pd
 
     def zeros_pandas(batches: Any) -> Any:
@@ -140,7 +146,7 @@ def handover_udf(out_type: Any) -> Any:
             yield out.to_pandas()
 
     zeros_pandas.__annotations__ = {"batches": Iterator[pd.Series], "return": Iterator[pd.Series]}
-    return F.pandas_udf(zeros_pandas, "double" if isinstance(out_type, str) else "array<float>")
+    return F.pandas_udf(zeros_pandas, out_type)
 
 
 def _timed(action: Any) -> float:
@@ -257,7 +263,7 @@ def main() -> None:
     def batch_udf(df: Any) -> None:
         df.withColumn("prediction", pbu(pbu_input)).write.format("noop").mode("overwrite").save()
 
-    zeros = handover_udf("double" if classification else "array")
+    zeros = handover_udf(None if classification else REG_OUTPUTS)
 
     def handover(df: Any) -> None:
         df.withColumn("prediction", zeros(pbu_input)).write.format("noop").mode("overwrite").save()
