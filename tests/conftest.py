@@ -8,7 +8,9 @@ session, another stops it and starts the new one. Tests marked ``cluster`` run l
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -203,3 +205,67 @@ def _executor_gpus() -> dict[int, set[str]]:
                 a for r in allocations if r["id"]["resourceName"] == "gpu" for a in r["addresses"]
             }
     return found
+
+
+class OtherUser:
+    """A throwaway Unix account on this host: another tenant, for the tests of issue 17."""
+
+    def __init__(self, name: str) -> None:
+        import pwd
+
+        entry = pwd.getpwnam(name)
+        self.name, self.uid, self.gid = name, entry.pw_uid, entry.pw_gid
+        # The system's interpreter: the project's may sit where another user cannot reach it
+        # (under /root). Attack scripts use the standard library only.
+        self.python = "/usr/bin/python3"
+
+    def popen(self, args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        """Starts ``args`` as this user (no supplementary groups, its own session)."""
+        kwargs.setdefault("start_new_session", True)
+        kwargs.setdefault("env", {"PATH": "/usr/bin:/bin", "HOME": "/", "LANG": "C.UTF-8"})
+        return subprocess.Popen(args, user=self.uid, group=self.gid, extra_groups=[], **kwargs)  # type: ignore[call-overload, no-any-return]
+
+    def run(self, args: list[str], timeout: float = 60, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
+        """Runs ``args`` as this user to the end (bounded by ``timeout``), output captured."""
+        proc = self.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+    def processes(self) -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == self.uid]
+
+    def end_all(self) -> None:
+        for proc in self.processes():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(self.processes(), timeout=10)
+
+
+@pytest.fixture(scope="session")
+def other_user() -> Iterator[OtherUser]:
+    """A second local user, created for this test session and removed after it, with every
+    process it still runs. Creating one needs root: elsewhere the test is skipped, and the skip
+    (shown in the summary, ``-rs``) says why."""
+    import secrets
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("a second Unix user is needed and this test session cannot create one (not root, or no useradd)")
+    if not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("a second Unix user is needed to run /usr/bin/python3, and this host has none")
+    name = f"sdlt{secrets.token_hex(3)}"
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],
+        check=True, capture_output=True, timeout=30,
+    )
+    user = OtherUser(name)
+    try:
+        yield user
+    finally:
+        user.end_all()
+        subprocess.run(["userdel", name], capture_output=True, timeout=30)
