@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -218,6 +219,16 @@ class OtherUser:
         # The system's interpreter: the project's may sit where another user cannot reach it
         # (under /root). Attack scripts use the standard library only.
         self.python = "/usr/bin/python3"
+        self._dirs: list[str] = []
+
+    def shared_dir(self) -> Path:
+        """A fresh directory this user can read and write (pytest's own are private to root)."""
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="sparkdl-tenant-")
+        os.chmod(path, 0o777)
+        self._dirs.append(path)
+        return Path(path)
 
     def popen(self, args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
         """Starts ``args`` as this user (no supplementary groups, its own session)."""
@@ -240,10 +251,14 @@ class OtherUser:
         return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == self.uid]
 
     def end_all(self) -> None:
+        import shutil
+
         for proc in self.processes():
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         psutil.wait_procs(self.processes(), timeout=10)
+        for path in self._dirs:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

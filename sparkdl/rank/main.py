@@ -1,8 +1,10 @@
 """One rank's process: ``python -m sparkdl.rank WORKDIR``, or forked by the executor's zygote.
 
 The Spark task that starts this process holds the write end of a "lifeline" pipe. When the task
-ends for any reason, even SIGKILL, the pipe reaches end-of-file and this process kills its whole
-process group, so a rank never outlives the task that owns it.
+ends for any reason, even SIGKILL, the pipe reaches end-of-file and this process kills everything
+it started, so a rank never outlives the task that owns it. The rank is a child subreaper
+(:mod:`sparkdl.proctree`): what its descendants start and orphan, even in a session of its own,
+stays below it, and ends when the rank ends.
 
 Files in WORKDIR: ``payload.pkl`` (cloudpickled fn, args, kwargs) written by the task;
 ``result.pkl`` (rank 0's return value) and ``error.json`` (a failure) written here.
@@ -18,7 +20,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from sparkdl import rankspec
+from sparkdl import proctree, rankspec
 
 
 def _watch_lifeline(fd: int) -> None:
@@ -30,6 +32,7 @@ def _watch_lifeline(fd: int) -> None:
             pass
         # The owning Spark task is gone: end this rank and everything it started.
         try:
+            proctree.kill_descendants(os.getpid())
             os.killpg(os.getpgid(0), signal.SIGKILL)
         finally:
             os._exit(137)
@@ -60,6 +63,24 @@ def _record_error(workdir: Path, exc: BaseException, where: str) -> None:
     _write_atomically(workdir / "error.json", json.dumps(info).encode())
 
 
+def _close_on_exec() -> None:
+    """Marks every descriptor above stdio close-on-exec, so that a program the user's function
+    starts (``os.system``, ``subprocess`` with ``close_fds=False``) gets none of the rank's: not
+    the task's pipes, not the store's or gloo's sockets, which torch's C++ side opens inheritable."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        fd = int(name)
+        if fd > 2:
+            try:
+                if os.get_inheritable(fd):
+                    os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the listing's own descriptor, closed by now
+
+
 def _use_cuda(spec: rankspec.RankSpec) -> bool:
     """The rank's device, decided and set once: the GPUs Spark assigned, when this torch can use them."""
     if not spec.gpu_ids:
@@ -85,7 +106,15 @@ def main(workdir: Path | None = None) -> int:
     if lifeline is None or control is None:
         sys.stderr.write("sparkdl.rank is started by sparkdl's launchers, not by hand\n")
         return 2
+    proctree.set_subreaper()
     _watch_lifeline(lifeline)
+    try:
+        return _run(workdir, control)
+    finally:
+        proctree.kill_descendants(os.getpid())
+
+
+def _run(workdir: Path, control: int) -> int:
     spec = rankspec.read_rank()
     stage = "starting"
     try:
@@ -111,6 +140,7 @@ def main(workdir: Path | None = None) -> int:
         stage = "loading the function"
         with open(workdir / "payload.pkl", "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
+        _close_on_exec()
         stage = ""
         result = fn(*args, **kwargs)
         if spec.rank == 0:

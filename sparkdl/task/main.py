@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkdl import proctree
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
 from sparkdl.task.net import host_of
 from sparkdl.task.rankproc import RankProcess
-from sparkdl.task.spawn import read_error
+from sparkdl.task.spawn import Zygote, read_error
 from sparkdl.wire.channel import ChannelError, FramedConnection, connect
 from sparkdl.wire.messages import (
     Exited,
@@ -50,6 +51,9 @@ class TaskPayload:
     secret_hex: str = field(repr=False)  # never in a log line or a traceback's locals
     driver_host: str
     driver_port: int
+    # The address the ranks listen on (TCPStore, gloo): loopback in local mode, else None for the
+    # task's own address as Spark gives it.
+    rank_host: str | None = None
 
 
 class RankFailed(RuntimeError):
@@ -101,13 +105,15 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
     run = payload.run
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
-    host = host_of(ctx.getTaskInfos()[rank].address)
+    host = payload.rank_host or host_of(ctx.getTaskInfos()[rank].address)
     conn = connect((payload.driver_host, payload.driver_port), bytes.fromhex(payload.secret_hex),
                    run.config.connect_timeout_s)
     link = DriverLink(conn, rank)
     workdir = Path(tempfile.mkdtemp(prefix=f"sparkdl-{run.run_id}-r{rank}-"))
     listener: socket.socket | None = None
     proc: RankProcess | None = None
+    # A rank started as a fresh interpreter is this worker's child: what it orphans comes here.
+    adopting = proctree.set_subreaper()
     try:
         spec = RankSpec.of(run, rank=rank, host=host, gpu_ids=_assigned_gpus(ctx, run, rank), task_pid=os.getpid())
         if rank == 0:
@@ -152,6 +158,9 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
     finally:
         if proc is not None:
             proc.close()
+        if adopting:
+            proctree.kill_adopted(os.getpid(), keep=Zygote.started_pids())
+            proctree.set_subreaper(False)
         if listener is not None:
             listener.close()
         conn.close()

@@ -21,6 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from sparkdl import proctree
 from sparkdl.rankspec import GangSpec, RankSpec, gang_env, rank_env
 from sparkdl.task.net import iface_for
 from sparkdl.task.spawn import ProcessHandle, kill_group, start_rank
@@ -140,13 +141,16 @@ class RankProcess:
         """The rank's exit code (negative: the signal that killed it), once it and its output ended."""
         code = self._proc.wait(timeout)
         # Children the rank left behind (DataLoader workers, ...) would hold the pipes open.
-        kill_group(self.pid)
+        self.kill()
         self.ready.set()
         for relay in self._relays:
             relay.thread.join(timeout=10)
         return code
 
     def kill(self) -> None:
+        """SIGKILLs the rank and all below it: its group, and (the rank being a subreaper) the
+        descendants that left the group, as long as the rank lives to hold them."""
+        proctree.kill_descendants(self.pid)
         kill_group(self.pid)
 
     def close(self) -> None:
@@ -157,6 +161,6 @@ class RankProcess:
             if fd is not None:
                 setattr(self, name, None)
                 os.close(fd)
-        kill_group(self.pid)
+        self.kill()
         with contextlib.suppress(Exception):
             self._proc.wait(timeout=5)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import IO, Any, ClassVar, Protocol
 
 from sparkdl._version import __version__
+from sparkdl.errors import ConfigError
+from sparkdl.private import user_dir
 from sparkdl.rankspec import fd_env
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # numbers that the last four end up with in the rank.
 fd_names = ("stdout", "stderr", "lifeline", "control", "metrics", "store")
 MAX_MESSAGE = 1 << 20
+# The handshake's messages are small; a larger packet before it ends is refused unread.
+MAX_HANDSHAKE_MESSAGE = 512
+NONCE_BYTES = 32
+# How many times a task starts a zygote that finds its address taken before it gives up on it.
+_MAX_STARTS = 3
 
 
 class ProcessHandle(Protocol):
@@ -56,17 +65,61 @@ class ZygoteTimeout(ZygoteError):
     """The zygote did not answer in time."""
 
 
+def proof(key: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
+    """What one side of the zygote handshake sends to show it holds the executor's key: an HMAC
+    over both sides' fresh nonces, tagged with the sender's side so neither can be replayed."""
+    return hmac.new(key, side + b"\0" + first + second, hashlib.sha256).digest()
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket, as the kernel tells it."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
 class Zygote:
-    """A Python worker's connection to its executor's zygote. One task runs at a time in a worker."""
+    """A Python worker's connection to its executor's zygote. One task runs at a time in a worker.
+
+    Nothing is sent on it until the other end has shown it is this executor's zygote: it runs as
+    this user (``SO_PEERCRED``) and proves it holds the executor's key (:func:`executor_key`).
+    The zygote checks the same of the task before it acts on any request.
+    """
 
     _current: ClassVar[Zygote | None] = None
     # Zygotes this worker started: polled so that one that exits is reaped, not left a zombie.
     _started: ClassVar[list[subprocess.Popen[bytes]]] = []
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, key: bytes, timeout_s: float) -> None:
         self.sock = sock
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        self.pid = int(struct.unpack("3i", creds)[0])
+        self.pid, uid = peer_credentials(sock)
+        if uid != os.getuid():
+            sock.close()
+            raise ZygoteError(
+                f"the zygote's address is held by another user (uid {uid}, pid {self.pid}), who may be "
+                "trying to capture sparkdl's ranks; nothing was sent to it, and this rank starts as a "
+                "fresh interpreter (tell the host's administrator)"
+            )
+        try:
+            self._handshake(key, timeout_s)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            sock.close()
+            raise ZygoteError(
+                f"the process at the zygote's address (pid {self.pid}) did not prove it is this "
+                f"executor's zygote ({type(exc).__name__}: {exc}); nothing was sent to it"
+            ) from exc
+
+    def _handshake(self, key: bytes, timeout_s: float) -> None:
+        mine = secrets.token_bytes(NONCE_BYTES)
+        self.sock.settimeout(timeout_s)
+        self.sock.send(json.dumps({"hello": mine.hex()}).encode())
+        reply = json.loads(self.sock.recv(MAX_HANDSHAKE_MESSAGE))
+        theirs = bytes.fromhex(reply["nonce"])
+        if len(theirs) != NONCE_BYTES or not hmac.compare_digest(
+            bytes.fromhex(reply["proof"]), proof(key, b"zygote", mine, theirs)
+        ):
+            raise ValueError("wrong proof of the executor's key")
+        self.sock.send(json.dumps({"proof": proof(key, b"task", theirs, mine).hex()}).encode())
 
     @classmethod
     def get(cls, timeout_s: float) -> Zygote:
@@ -77,8 +130,15 @@ class Zygote:
             return current
         if current is not None:
             current.close()
-        cls._current = current = Zygote(_connect(zygote_address(), timeout_s, cls._started))
+        key = executor_key()
+        sock = _connect(zygote_address(key), key, timeout_s, cls._started)
+        cls._current = current = Zygote(sock, key, timeout_s)
         return current
+
+    @classmethod
+    def started_pids(cls) -> set[int]:
+        """The zygotes this worker started: children of the worker, not orphans to end."""
+        return {proc.pid for proc in cls._started}
 
     def alive(self) -> bool:
         """False once the zygote has closed this connection (read ahead, without consuming)."""
@@ -118,7 +178,11 @@ class Zygote:
         while True:
             reply = self._recv(timeout_s)
             if "pid" in reply:
-                return int(reply["pid"])
+                pid = int(reply["pid"])
+                if _parent_of(pid) not in (self.pid, None):
+                    # Never signal a pid the zygote merely named: it must be the zygote's child.
+                    raise ZygoteError(f"the zygote answered with pid {pid}, which is not its child")
+                return pid
             if "error" in reply:
                 raise ZygoteError(f"the zygote could not fork: {reply['error']}")
             # An exit report of an earlier rank whose task stopped waiting for it.
@@ -139,29 +203,81 @@ class Zygote:
             Zygote._current = None
 
 
-def zygote_address() -> str:
-    """The abstract socket name of this executor's zygote.
-
-    It names what the zygote must share with its ranks: the user, the interpreter, this sparkdl,
-    and the process the zygote's life is tied to (this worker's parent: the PySpark daemon, or
-    the executor JVM), with its start time so that a reused pid never names an old zygote.
-    """
+def _parent_identity() -> tuple[int, str]:
+    """This worker's parent (the PySpark daemon, or the executor JVM) and its start time, so that
+    a reused pid never names an old zygote."""
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/stat", "rb") as stat:
             started = stat.read().rsplit(b")", 1)[1].split()[19].decode()
     except (OSError, IndexError):
         started = ""
-    key = "\0".join(
-        [str(os.getuid()), os.path.realpath(sys.executable), _PACKAGE_DIR, __version__, str(parent), started]
-    )
-    return f"sparkdl-zygote-{parent}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+    return parent, started
 
 
-def _connect(address: str, timeout_s: float, started: list[subprocess.Popen[bytes]]) -> socket.socket:
+def _parent_of(pid: int) -> int | None:
+    """The parent of ``pid``, or None once it has ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def executor_key() -> bytes:
+    """A secret that only this executor's processes hold: the zygote's name and its handshake
+    come from it.
+
+    Spark gives every Python worker of an executor the secret its PySpark daemon authenticates
+    the JVM with (``PYTHON_WORKER_FACTORY_SECRET``); the key is derived from it and from the
+    daemon's identity. Another user cannot read it, so can neither predict the zygote's address
+    nor pass its handshake. Where Spark gives no such secret, the key is random, kept in a 0600
+    file in this user's private directory (:mod:`sparkdl.private`), one per daemon.
+    """
+    parent, started = _parent_identity()
+    factory = os.environ.get("PYTHON_WORKER_FACTORY_SECRET")
+    if factory:
+        return hashlib.sha256(f"sparkdl-zygote\0{factory}\0{parent}\0{started}".encode()).digest()
+    try:
+        return _key_file(user_dir("zygote", setting="RunConfig(prewarm=False)") / f"{parent}-{started or 0}.key")
+    except (ConfigError, OSError) as exc:
+        raise ZygoteError(f"no key for the zygote: {exc}") from exc
+
+
+def _key_file(path: Path) -> bytes:
+    if not path.exists():
+        tmp = path.with_name(f".{secrets.token_hex(8)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+            with contextlib.suppress(FileExistsError):  # another task of this executor was first
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        key = f.read()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077 or len(key) != 32:
+        raise ZygoteError(f"the zygote's key file {path} is not a private 32-byte file of this user")
+    return key
+
+
+def zygote_address(key: bytes) -> str:
+    """The abstract socket name of this executor's zygote: unpredictable without the key.
+
+    It also names what the zygote must share with its ranks: the interpreter and this sparkdl.
+    """
+    what = "\0".join([os.path.realpath(sys.executable), _PACKAGE_DIR, __version__])
+    return f"sparkdl-zygote-{hmac.new(key, what.encode(), hashlib.sha256).hexdigest()[:32]}"
+
+
+def _connect(address: str, key: bytes, timeout_s: float, started: list[subprocess.Popen[bytes]]) -> socket.socket:
     """Connects to the zygote at ``address``, starting it first if none listens there."""
     deadline = time.monotonic() + timeout_s
     proc: subprocess.Popen[bytes] | None = None
+    starts = 0
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -173,12 +289,21 @@ def _connect(address: str, timeout_s: float, started: list[subprocess.Popen[byte
                 raise ZygoteError(f"could not reach the zygote: {exc}") from exc
         if proc is None or (proc.poll() is not None and proc.returncode == 0):
             # None listens (or the one started lost a race to a zygote that has since gone).
+            if starts == _MAX_STARTS:
+                raise ZygoteError(
+                    f"the zygote's address is taken, but nothing accepts connections there after {starts} starts"
+                )
+            starts += 1
             proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", "sparkdl.task.zygote", address, str(os.getppid())],
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
                 start_new_session=True,
             )
             started.append(proc)
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):  # the key goes down a pipe: never on a command line
+                proc.stdin.write(key.hex().encode() + b"\n")
+                proc.stdin.close()
         elif proc.returncode is not None:
             raise ZygoteError(f"the zygote exited with code {proc.returncode} before it listened")
         if time.monotonic() > deadline:

@@ -12,18 +12,25 @@ TorchDistributor's tasks do) is not reused. The zygote outlives them and ends wh
 the PySpark daemon (or, without the daemon, the executor JVM), which ends with the executor.
 
 It listens on the abstract Unix socket ``ADDRESS`` (``SOCK_SEQPACKET``; no file to leave behind)
-and serves only connections from its own user. A second zygote started for the same address
-finds it taken and exits at once, so two tasks that race to start one share the winner.
+and serves only connections from its own user that prove they hold the executor's key, which
+the task that starts it writes to its stdin (:func:`sparkdl.task.spawn.executor_key`). A second
+zygote started for the same address finds it taken and exits at once, so two tasks that race to
+start one share the winner.
 
 Protocol, one JSON message per packet, on each connection:
 
+* the handshake, before anything else: task -> zygote ``{"hello": NONCE_T}``; zygote -> task
+  ``{"nonce": NONCE_Z, "proof": P_Z}``; task -> zygote ``{"proof": P_T}``, each proof an HMAC
+  under the key over both nonces (:func:`sparkdl.task.spawn.proof`). A connection that has not
+  finished it within a few seconds, sends anything else, or sends descriptors is closed;
 * task -> zygote: ``{"workdir", "env", "cwd", "sys_path", "name"}`` with the rank's descriptors
   attached (``SCM_RIGHTS``) in the order given by ``fd_names`` in :mod:`sparkdl.task.spawn`;
 * zygote -> task: ``{"pid": N}`` once forked (or ``{"error": "..."}``), later ``{"exit": N,
   "code": C}`` with ``C`` as ``subprocess.Popen.returncode`` gives it (negative: a signal).
 
 Each rank keeps its own lifeline to its Spark task, so a rank never outlives its task, whatever
-happens to the zygote or to the connection that asked for it.
+happens to the zygote or to the connection that asked for it. The zygote is a child subreaper:
+what a rank started and left behind when it died comes to the zygote, which ends it.
 """
 
 from __future__ import annotations
@@ -32,21 +39,35 @@ import contextlib
 import ctypes
 import errno
 import gc
+import hmac
 import importlib
 import json
 import os
+import secrets
 import select
 import signal
 import socket
-import struct
 import sys
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
+from sparkdl import proctree
 from sparkdl.rankspec import fd_env
-from sparkdl.task.spawn import MAX_MESSAGE, fd_names
+from sparkdl.task.spawn import (
+    MAX_HANDSHAKE_MESSAGE,
+    MAX_MESSAGE,
+    NONCE_BYTES,
+    fd_names,
+    peer_credentials,
+    proof,
+)
 
 # How often the zygote checks that its executor lives where the kernel cannot tell it (no pidfd).
 _POLL_S = 1.0
+# A connection must finish the handshake this soon; at most this many may be at it at once.
+_HANDSHAKE_S = 5.0
+_MAX_PENDING = 16
 
 
 def _preload() -> None:
@@ -117,9 +138,15 @@ def _become_rank(request: dict[str, Any], fds: list[int], inherited: list[int]) 
         os._exit(code)
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+@dataclass
+class _Pending:
+    """A connection still in its handshake."""
+
+    conn: socket.socket
+    since: float = field(default_factory=time.monotonic)
+    nonce: bytes | None = None  # the zygote's, once the task said hello
+    hello: bytes | None = None  # the task's
+    proven: bool = False
 
 
 class _Watch:
@@ -145,18 +172,22 @@ class _Watch:
         return True
 
 
-def serve(listener: socket.socket, watch: _Watch) -> None:
+def serve(listener: socket.socket, watch: _Watch, key: bytes) -> None:
     wakeup_r, wakeup_w = os.pipe()
     os.set_blocking(wakeup_w, False)
     signal.set_wakeup_fd(wakeup_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    clients: dict[int, socket.socket] = {}
+    clients: dict[int, socket.socket] = {}  # authenticated connections
+    pending: dict[int, _Pending] = {}
     owners: dict[int, socket.socket | None] = {}  # rank pid -> the connection that asked for it
-    timeout = None if watch.fd is not None else _POLL_S
     while True:
-        waits = [listener.fileno(), wakeup_r, *clients]
+        waits = [listener.fileno(), wakeup_r, *clients, *pending]
         if watch.fd is not None:
             waits.append(watch.fd)
+        timeout = None if watch.fd is not None else _POLL_S
+        if pending:
+            first = min(p.since for p in pending.values()) + _HANDSHAKE_S - time.monotonic()
+            timeout = max(0.0, first if timeout is None else min(timeout, first))
         ready, _, _ = select.select(waits, [], [], timeout)
         if wakeup_r in ready:
             os.read(wakeup_r, 4096)
@@ -164,7 +195,15 @@ def serve(listener: socket.socket, watch: _Watch) -> None:
         if not watch.alive():
             return  # the executor is gone: nothing will ask for a rank again
         if listener.fileno() in ready:
-            _accept(listener, clients)
+            _accept(listener, pending)
+        for fd in [fd for fd in ready if fd in pending]:
+            if not _handshake_step(pending[fd], key):
+                pending.pop(fd).conn.close()
+            elif pending[fd].proven:
+                clients[fd] = pending.pop(fd).conn  # proven: requests are served from now on
+        now = time.monotonic()
+        for fd in [fd for fd, p in pending.items() if now - p.since > _HANDSHAKE_S]:
+            pending.pop(fd).conn.close()
         for fd in [fd for fd in ready if fd in clients]:
             conn = clients[fd]
             try:
@@ -180,7 +219,7 @@ def serve(listener: socket.socket, watch: _Watch) -> None:
                 continue
             try:
                 request = json.loads(data)
-                inherited = [listener.fileno(), wakeup_r, wakeup_w, *clients]
+                inherited = [listener.fileno(), wakeup_r, wakeup_w, *clients, *pending]
                 if watch.fd is not None:
                     inherited.append(watch.fd)
                 pid = os.fork()
@@ -197,28 +236,64 @@ def serve(listener: socket.socket, watch: _Watch) -> None:
             _send(conn, {"pid": pid})
 
 
-def _accept(listener: socket.socket, clients: dict[int, socket.socket]) -> None:
+def _accept(listener: socket.socket, pending: dict[int, _Pending]) -> None:
     try:
         conn, _ = listener.accept()
     except OSError:
         return
-    if _peer_uid(conn) != os.getuid():
+    if peer_credentials(conn)[1] != os.getuid():
         conn.close()  # forking a rank runs code as this user: only this user may ask
         return
-    clients[conn.fileno()] = conn
+    if len(pending) >= _MAX_PENDING:  # make room: the oldest has had the longest to prove itself
+        oldest = min(pending, key=lambda fd: pending[fd].since)
+        pending.pop(oldest).conn.close()
+    pending[conn.fileno()] = _Pending(conn)
+
+
+def _handshake_step(state: _Pending, key: bytes) -> bool:
+    """Takes the next handshake message of a connection; False when it is to be closed."""
+    try:
+        data, fds, _, _ = socket.recv_fds(state.conn, MAX_HANDSHAKE_MESSAGE, 1)
+    except OSError:
+        return False
+    for received in fds:  # descriptors before the handshake ends are never kept
+        os.close(received)
+    if not data or fds:
+        return False
+    try:
+        message = json.loads(data)
+        if state.nonce is None:
+            hello = bytes.fromhex(message["hello"])
+            if len(hello) != NONCE_BYTES:
+                return False
+            state.hello, state.nonce = hello, secrets.token_bytes(NONCE_BYTES)
+            _send(state.conn, {"nonce": state.nonce.hex(), "proof": proof(key, b"zygote", hello, state.nonce).hex()})
+            return True
+        assert state.hello is not None
+        if not hmac.compare_digest(bytes.fromhex(message["proof"]), proof(key, b"task", state.nonce, state.hello)):
+            return False
+    except (ValueError, KeyError, TypeError):
+        return False
+    state.proven = True
+    return True
 
 
 def _reap(owners: dict[int, socket.socket | None]) -> None:
-    while owners:
+    ended = False
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            break
         if pid == 0:
-            return
+            break
         owner = owners.pop(pid, None)
+        ended = True
         if owner is not None:
             _send(owner, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+    if ended:
+        # Orphans that a dead rank left come to the zygote (a subreaper): they end with it.
+        proctree.kill_adopted(os.getpid(), keep=set(owners))
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> None:
@@ -228,6 +303,15 @@ def _send(conn: socket.socket, message: dict[str, Any]) -> None:
 
 def main() -> int:
     address, watched = sys.argv[1], int(sys.argv[2])
+    try:
+        key = bytes.fromhex(sys.stdin.readline().strip())
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        return 4  # started by hand: without the executor's key it would serve no one
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         listener.bind("\0" + address)
@@ -240,11 +324,12 @@ def main() -> int:
     except ProcessLookupError:
         return 3  # the executor is already gone
     listener.listen(64)
+    proctree.set_subreaper()
     _set_process_name("sparkdl-zygote")
     # The address is taken before the imports: a task that connects meanwhile waits for its
     # first reply, not for a zygote of its own.
     _preload()
-    serve(listener, watch)
+    serve(listener, watch, key)
     return 0
 
 

@@ -1,0 +1,111 @@
+"""Process trees on Linux: what a rank started ends with it, even what left its process group.
+
+Killing a rank's process group misses descendants that called ``setsid`` (daemons, some
+launchers). A rank is therefore a *child subreaper*: a descendant orphaned by its parent is
+re-parented to the rank instead of to init, so the rank's tree, read from ``/proc``, holds every
+process it started for as long as the rank lives. When the rank has died first, its orphans go
+to the nearest subreaper above it (the zygote, or the Spark task), which ends them.
+
+A leaf: standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def set_subreaper(on: bool = True) -> bool:
+    """Makes this process adopt its orphaned descendants (Linux); False where that is not possible."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _parents() -> dict[int, int]:
+    """Every live process's parent, read from ``/proc/<pid>/stat``."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        found[int(name)] = int(fields[1])
+    return found
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``."""
+    return [child for child, parent in _parents().items() if parent == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, parents before their children."""
+    below: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        below.setdefault(parent, []).append(child)
+    out: list[int] = []
+    todo = list(below.get(pid, []))
+    while todo:
+        current = todo.pop(0)
+        out.append(current)
+        todo.extend(below.get(current, []))
+    return out
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def kill_descendants(pid: int, rounds: int = 5) -> None:
+    """SIGKILLs every process below ``pid``, again while new ones appear (a fork in flight, or an
+    orphan re-parented to ``pid`` as its parent died); bounded by ``rounds`` scans."""
+    for _ in range(rounds):
+        found = descendants(pid)
+        if not found:
+            return
+        for child in found:
+            _kill(child)
+        time.sleep(0.01)
+
+
+def kill_adopted(parent: int, keep: set[int]) -> list[int]:
+    """SIGKILLs the children of ``parent`` (a subreaper) that are not in ``keep``, with their
+    trees: the orphans of a rank that died before it could end them. Returns the ones found."""
+    adopted = [child for child in children(parent) if child not in keep]
+    for child in adopted:
+        kill_descendants(child)
+        _kill(child)
+    if parent == os.getpid():
+        _reap(adopted, deadline=time.monotonic() + 2.0)
+    return adopted
+
+
+def _reap(pids: list[int], deadline: float) -> None:
+    """Collects the exit status of killed children, so none is left a zombie (bounded wait)."""
+    left = set(pids)
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                left.discard(pid)
+        if left:
+            time.sleep(0.01)

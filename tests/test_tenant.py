@@ -1,0 +1,332 @@
+"""Another tenant on the same host (issue 17): the zygote, a rank's process tree, its descriptors.
+
+The attacks run for real: a throwaway Unix account (the ``other_user`` fixture; skipped with a
+printed reason where the session cannot create one) binds the zygote's address before a run, or
+connects to a live zygote and asks it to fork; a process of the same user without the
+executor's key tries the same. Each test asserts the run's result, that the attacker received
+nothing and started nothing, and that nothing was left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import psutil
+import pytest
+
+import sparkdl
+from sparkdl.task import spawn
+from sparkdl.task.spawn import NONCE_BYTES, Zygote, ZygoteError, proof
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+FAST = sparkdl.RunConfig(start_timeout_s=60, slot_wait_s=2, connect_timeout_s=20, kill_grace_s=20, echo_logs=False)
+
+# Listens on an abstract Unix socket and writes, for every connection, what arrived on it in
+# the two seconds after (bytes and descriptors) to a JSON-lines log. Standard library only: it
+# runs under the other user's /usr/bin/python3.
+LISTENER = textwrap.dedent("""
+    import array, json, socket, sys, time
+    address, log = sys.argv[1], sys.argv[2]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind("\\0" + address)
+    s.listen(16)
+    print("listening", flush=True)
+    while True:
+        conn, _ = s.accept()
+        conn.settimeout(2)
+        got, fds = 0, 0
+        try:
+            while True:
+                data, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(64 * 4))
+                if not data and not anc:
+                    break
+                got += len(data)
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds += len(payload) // 4
+        except (OSError, socket.timeout):
+            pass
+        with open(log, "a") as f:
+            f.write(json.dumps({"bytes": got, "fds": fds}) + "\\n")
+        conn.close()
+""")
+
+# Connects to a zygote and asks it to fork, skipping the handshake, then with a made-up proof;
+# prints what it got back. Standard library only.
+IMPOSTOR = textwrap.dedent("""
+    import json, os, socket, sys
+    address = sys.argv[1]
+    request = json.dumps({"workdir": "/nonexistent", "env": {}, "cwd": "/", "sys_path": [], "name": "x"}).encode()
+    replies = []
+    for opening in ([request], [json.dumps({"hello": os.urandom(32).hex()}).encode(), json.dumps({"proof": "00" * 32}).encode(), request]):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        try:
+            s.connect("\\0" + address)
+            got = []
+            for packet in opening:
+                s.send(packet)
+                data = s.recv(4096)
+                got.append(data.decode(errors="replace"))
+                if not data:
+                    break
+        except OSError as exc:
+            got = ["error " + type(exc).__name__]
+        replies.append(got)
+        s.close()
+    print(json.dumps(replies), flush=True)
+""")
+
+
+def _zygotes() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["name", "uids"]) if p.info["name"] == "sparkdl-zygote"
+            and p.info["uids"].real == os.getuid()]
+
+
+def _end(procs: list[psutil.Process]) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _executor_zygote_address(spark: Any) -> str:
+    """The address sparkdl's tasks on this executor use, computed inside a real Python worker."""
+    import pyarrow as pa
+
+    def address(batches: Any) -> Any:
+        for _ in batches:
+            pass
+        from sparkdl.task.spawn import executor_key, zygote_address
+
+        yield pa.RecordBatch.from_pydict({"a": [zygote_address(executor_key())]})
+
+    found = {row.a for row in spark.range(2).repartition(2).mapInArrow(address, "a string").collect()}
+    assert len(found) == 1, found
+    return found.pop()
+
+
+def _parent_name() -> str:
+    parent = psutil.Process().parent()
+    return parent.name() if parent else ""
+
+
+def test_another_user_holding_the_zygote_address_gets_nothing_and_the_run_succeeds(
+    spark, other_user, tmp_path: Path, no_leaks
+) -> None:  # type: ignore[no-untyped-def]
+    _end(_zygotes())  # the executor's zygote is gone, as after an OOM kill: its address is free
+    address = _executor_zygote_address(spark)
+    shared = other_user.shared_dir()
+    (shared / "listener.py").write_text(LISTENER)
+    log = shared / "log.jsonl"
+    attacker = other_user.popen([other_user.python, str(shared / "listener.py"), address, str(log)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert attacker.stdout is not None
+        assert attacker.stdout.readline() == b"listening\n", attacker.stderr.read() if attacker.stderr else ""
+        parents = sparkdl.run(_parent_name, num_workers=2, config=FAST)
+        # Every task found the address held by someone else, sent nothing, and started its rank
+        # as a fresh interpreter instead: the run's result is right.
+        assert parents != "sparkdl-zygote"
+        time.sleep(2.5)  # the listener logs a connection 2 s after it opened
+        seen = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        assert seen, "the tasks were expected to reach the attacker's address and turn away"
+        assert all(entry == {"bytes": 0, "fds": 0} for entry in seen), seen
+    finally:
+        attacker.kill()
+        attacker.wait(timeout=10)
+    # Once the address is free again, the next run has its warm zygote back.
+    assert sparkdl.run(_parent_name, num_workers=2, config=FAST) == "sparkdl-zygote"
+
+
+@pytest.fixture
+def zygote(tmp_path: Path) -> Any:
+    """A real zygote with a known key, tied to this test process; ended after the test."""
+    key = secrets.token_bytes(32)
+    address = f"sparkdl-test-{secrets.token_hex(8)}"
+    proc = subprocess.Popen([sys.executable, "-m", "sparkdl.task.zygote", address, str(os.getpid())],
+                            stdin=subprocess.PIPE, start_new_session=True)
+    assert proc.stdin is not None
+    proc.stdin.write(key.hex().encode() + b"\n")
+    proc.stdin.close()
+    deadline = time.monotonic() + 30
+    while True:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect("\0" + address)
+            break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "the zygote did not listen"
+            time.sleep(0.05)
+        finally:
+            probe.close()
+    try:
+        yield address, key, proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_neither_another_user_nor_a_keyless_process_of_this_user_can_have_the_zygote_fork(
+    zygote: Any, other_user: Any, tmp_path: Path
+) -> None:
+    address, key, proc = zygote
+    script = other_user.shared_dir() / "impostor.py"
+    script.write_text(IMPOSTOR)
+    script.chmod(0o644)
+    as_other = other_user.run([other_user.python, str(script), address], timeout=60)
+    as_self = subprocess.run([sys.executable, str(script), address], capture_output=True, timeout=60)
+    for result in (as_other, as_self):
+        assert result.returncode == 0, result.stderr
+        for replies in json.loads(result.stdout):
+            # The zygote answers a hello with its half of the handshake (a nonce and a proof that
+            # tells nothing), and closes the connection at the first wrong step: no pid, no error.
+            assert replies[-1] in ("", "error ConnectionResetError", "error BrokenPipeError"), replies
+            assert not any('"pid"' in reply or '"error"' in reply for reply in replies), replies
+    assert psutil.Process(proc.pid).children() == [], "the zygote forked for an impostor"
+    # The genuine task, with the key, is served.
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect("\0" + address)
+    z = Zygote(sock, key, timeout_s=10)
+    assert z.alive()
+    z.close()
+
+
+def test_a_silent_connection_is_dropped_after_the_handshake_deadline(zygote: Any) -> None:
+    address, _, _ = zygote
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect("\0" + address)
+    sock.settimeout(15)
+    started = time.monotonic()
+    assert sock.recv(4096) == b""
+    assert time.monotonic() - started < 10
+    sock.close()
+
+
+def test_a_task_sends_nothing_but_a_nonce_to_an_address_held_without_the_key(tmp_path: Path) -> None:
+    # A process of this very user listens at the zygote's address but cannot prove the key.
+    address = f"sparkdl-test-{secrets.token_hex(8)}"
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fake.bind("\0" + address)
+    fake.listen(1)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.connect("\0" + address)
+    server, _ = fake.accept()
+    server.settimeout(10)
+    with fake, server:
+        import threading
+
+        received: list[bytes] = []
+
+        def answer() -> None:
+            hello = server.recv(4096)
+            received.append(hello)
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            wrong = proof(secrets.token_bytes(32), b"zygote", bytes.fromhex(json.loads(hello)["hello"]), nonce)
+            server.send(json.dumps({"nonce": nonce.hex(), "proof": wrong.hex()}).encode())
+            try:
+                while data := server.recv(4096):
+                    received.append(data)
+            except OSError:
+                pass
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        with pytest.raises(ZygoteError, match="did not prove"):
+            Zygote(client, secrets.token_bytes(32), timeout_s=10)
+        thread.join(timeout=10)
+    assert len(received) == 1 and set(json.loads(received[0])) == {"hello"}, received
+
+
+def _start_a_daemon(pid_file: str, then: str) -> int:
+    """Starts `sleep` in a session of its own through an intermediate that exits (a daemon, as
+    double-forking tools start them), records its pid, then returns or dies as ``then`` says."""
+    subprocess.run(
+        [sys.executable, "-c",
+         "import subprocess, sys; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+         "open(sys.argv[1], 'w').write(str(p.pid))", pid_file],
+        check=True, timeout=30,
+    )
+    if then == "dies":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return int(Path(pid_file).read_text())
+
+
+def _gone(pid: int, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("prewarm", [True, False], ids=["forked", "fresh"])
+@pytest.mark.parametrize("then", ["returns", "dies"])
+def test_a_daemon_a_rank_started_in_its_own_session_ends_with_the_rank(
+    spark, tmp_path: Path, prewarm: bool, then: str, no_leaks
+) -> None:  # type: ignore[no-untyped-def]
+    pid_file = tmp_path / "daemon.pid"
+    cfg = FAST.replace(prewarm=prewarm, max_attempts=1)
+    if then == "returns":
+        sparkdl.run(_start_a_daemon, str(pid_file), then, num_workers=1, config=cfg)
+    else:
+        with pytest.raises(sparkdl.RunFailedError):
+            sparkdl.run(_start_a_daemon, str(pid_file), then, num_workers=1, config=cfg)
+    daemon = int(pid_file.read_text())
+    # The rank's process group never held it (setsid); it ended all the same.
+    assert _gone(daemon), psutil.Process(daemon).as_dict(["name", "ppid", "status"])
+
+
+def _open_descriptors_of_a_child() -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", "import os; print(' '.join(sorted(os.listdir('/proc/self/fd'), key=int)))"],
+        close_fds=False, capture_output=True, text=True, timeout=30, check=True,
+    )
+    return out.stdout.split()
+
+
+def test_what_a_rank_starts_inherits_none_of_the_tasks_descriptors(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    # Even with close_fds=False: the lifeline, control and metrics pipes, rank 0's store socket
+    # and the descriptors of torch's store and gloo stay in the rank. 0-2 are the child's stdio,
+    # 3 its listdir.
+    for fds in sparkdl.run(_gather_descriptors, num_workers=2, config=FAST):
+        assert set(fds) <= {"0", "1", "2", "3"}, fds
+
+
+def _gather_descriptors() -> list[list[str]]:
+    import torch
+    import torch.distributed as dist
+
+    mine = [int(fd) for fd in _open_descriptors_of_a_child()]
+    row = torch.full((16,), -1, dtype=torch.long)
+    row[: len(mine)] = torch.tensor(mine[:16])
+    gathered = [torch.zeros(16, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, row)
+    return [[str(int(v)) for v in g if v >= 0] for g in gathered]
+
+
+def test_the_zygote_key_file_is_private_and_spawn_refuses_a_shared_one(tmp_path: Path) -> None:
+    path = tmp_path / "k.key"
+    key = spawn._key_file(path)
+    assert len(key) == 32 and spawn._key_file(path) == key
+    assert path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o644)
+    with pytest.raises(ZygoteError, match="not a private"):
+        spawn._key_file(path)
