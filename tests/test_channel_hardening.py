@@ -397,3 +397,73 @@ def test_the_accept_loop_survives_running_out_of_file_descriptors() -> None:
         proc.stdin.close()
         reader.join(timeout=5)
         proc.stdout.close()
+
+
+ROGUE_TENANT = """
+import json, socket, struct, sys, threading, time
+host, port = sys.argv[1], int(sys.argv[2])
+report = []
+
+def trickle():
+    s = socket.create_connection((host, port), 5)
+    s.settimeout(0.3)
+    got, started = b"", time.monotonic()
+    try:
+        while time.monotonic() - started < 20:
+            try:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+            except socket.timeout:
+                pass
+            s.send(b"\\0")  # one byte of a header, now and then
+    except OSError:
+        pass
+    report.append({"kind": "trickle", "received": len(got), "open_s": round(time.monotonic() - started, 1)})
+
+def oversized():
+    s = socket.create_connection((host, port), 5)
+    s.settimeout(20)
+    got, started = b"", time.monotonic()
+    try:
+        s.sendall(struct.pack(">I", 1 << 20) + b"t" * 32 + b"x" * 65536)
+        while chunk := s.recv(4096):
+            got += chunk
+    except OSError:
+        pass
+    report.append({"kind": "oversized", "received": len(got), "open_s": round(time.monotonic() - started, 1)})
+
+threads = [threading.Thread(target=trickle) for _ in range(3)] + [threading.Thread(target=oversized)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(30)
+print(json.dumps(report), flush=True)
+"""
+
+
+def test_another_user_with_slow_and_oversized_frames_gets_only_a_nonce(
+    echo: Callable[..., _Echo], other_user: Any
+) -> None:
+    e = echo(handshake_timeout_s=2.0)
+    script = other_user.shared_dir() / "rogue.py"
+    script.write_text(ROGUE_TENANT)
+    script.chmod(0o644)
+    rogue = other_user.popen([other_user.python, str(script), *map(str, e.server.address)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        _round_trip(e.server.address)  # a genuine task gets in while the attack goes on
+        out, err = rogue.communicate(timeout=60)
+    finally:
+        if rogue.poll() is None:
+            rogue.kill()
+            rogue.wait()
+    report = json.loads(out)
+    assert len(report) == 4, err
+    for conn in report:
+        # Each rogue connection got the server's nonce and nothing more, and was closed at the
+        # handshake deadline (2 s) or at once for the oversized frame, not left open.
+        assert conn["received"] == NONCE_BYTES and conn["open_s"] < 10, report
+    assert e.received == [{"i": i} for i in range(3)]
