@@ -12,7 +12,9 @@ A leaf: it imports nothing of sparkdl but its errors.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import stat
 import tempfile
 from pathlib import Path
@@ -67,3 +69,26 @@ def ensure_private(path: Path, setting: str) -> Path:
             f"{setting} to a directory of your own"
         )
     return path
+
+
+def secret_file(path: Path, size: int = 32) -> bytes:
+    """The random secret in ``path``, created (0600, ``size`` bytes) if there is none yet; two
+    processes that race to create it read the same one. A file that is not this user's, that
+    others may read, or of another size is refused with a :class:`ConfigError`."""
+    if not path.exists():
+        tmp = path.with_name(f".{secrets.token_hex(8)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(size))
+            with contextlib.suppress(FileExistsError):  # another process was first: use its secret
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        secret = f.read()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077 or len(secret) != size:
+        raise ConfigError(f"{path} is not a private {size}-byte secret of this user: remove it")
+    return secret

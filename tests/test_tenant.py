@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 import sparkdl
-from sparkdl.task import spawn
+from sparkdl.private import secret_file
 from sparkdl.task.spawn import NONCE_BYTES, Zygote, ZygoteError, proof
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -322,11 +322,93 @@ def _gather_descriptors() -> list[list[str]]:
     return [[str(int(v)) for v in g if v >= 0] for g in gathered]
 
 
-def test_the_zygote_key_file_is_private_and_spawn_refuses_a_shared_one(tmp_path: Path) -> None:
+def test_the_zygote_key_file_is_private_and_a_shared_one_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "k.key"
-    key = spawn._key_file(path)
-    assert len(key) == 32 and spawn._key_file(path) == key
+    key = secret_file(path)
+    assert len(key) == 32 and secret_file(path) == key
     assert path.stat().st_mode & 0o777 == 0o600
     path.chmod(0o644)
-    with pytest.raises(ZygoteError, match="not a private"):
-        spawn._key_file(path)
+    with pytest.raises(sparkdl.ConfigError, match="not a private"):
+        secret_file(path)
+
+
+LOCAL_SESSION_OFF_LOOPBACK = textwrap.dedent("""
+    import json, os, sys
+    import psutil
+    import sparkdl
+    from pyspark.sql import SparkSession
+
+    host = sys.argv[1]
+    # A user's own local session, on the host's address rather than loopback, as Spark picks it
+    # when spark.driver.host is unset on a host whose name resolves to its LAN address.
+    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+             .config("spark.driver.host", host).config("spark.driver.bindAddress", host).getOrCreate())
+
+    def listeners():
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank's gloo pairs are up
+        found = []
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.status != psutil.CONN_LISTEN or conn.pid is None:
+                continue
+            try:
+                name = psutil.Process(conn.pid).name()
+            except psutil.NoSuchProcess:
+                continue
+            if not name.startswith("java"):  # Spark's own listeners are Spark's business
+                found.append([conn.laddr.ip, conn.laddr.port, name, " ".join(psutil.Process(conn.pid).cmdline()[:4])])
+        dist.barrier()
+        return found
+
+    print("LISTENERS " + json.dumps(sparkdl.run(listeners, num_workers=2, config=sparkdl.RunConfig(echo_logs=False))), flush=True)
+    spark.stop()
+""")
+
+
+@pytest.fixture
+def host_namespace() -> Any:
+    """A network namespace with loopback and one address on a veth of its own (10.213.7.1/24),
+    whose other end stays down in the root namespace: a host on a private subnet that no packet
+    leaves. Removed, with every process in it, after the test."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network namespace is needed and this test session cannot create one (not root, or no iproute2)")
+    name = f"sdl{secrets.token_hex(3)}"
+    outer = f"sdlh{secrets.token_hex(3)}"
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "-n", name, "link", "set", "lo", "up"],
+        ["ip", "link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", name],
+        ["ip", "-n", name, "addr", "add", "10.213.7.1/24", "dev", "eth0"],
+        ["ip", "-n", name, "link", "set", "eth0", "up"],
+    ]
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True, timeout=30)
+        yield name, "10.213.7.1"
+    finally:
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "link", "del", outer], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+def test_a_local_session_on_the_hosts_address_keeps_every_sparkdl_listener_on_loopback(
+    host_namespace: Any, tmp_path: Path
+) -> None:
+    name, address = host_namespace
+    script = tmp_path / "off_loopback.py"
+    script.write_text(LOCAL_SESSION_OFF_LOOPBACK)
+    env = {**os.environ, "SPARK_LOCAL_IP": address, "PYSPARK_PYTHON": sys.executable}
+    out = subprocess.run(["ip", "netns", "exec", name, sys.executable, str(script), address],
+                         capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("LISTENERS ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    listeners = json.loads(lines[0].split(" ", 1)[1])
+    # The driver's channel, the TCPStore and gloo: all present, all on 127.0.0.1.
+    assert any("sparkdl.rank" in cmd or proc.startswith("sparkdl-rank") for _, _, proc, cmd in listeners), listeners
+    assert {ip for ip, *_ in listeners} == {"127.0.0.1"}, listeners

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,10 @@ from urllib.parse import urlsplit
 
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, InsufficientSlotsError
+from sparkdl.private import user_dir
 
 DEFAULT_STAGE_ATTEMPTS = 4
+RUN_DIR_CONF = "spark.sparkdl.runDir"
 
 
 def resolve_gpu(conf: Any, use_gpu: bool | None) -> bool:
@@ -99,11 +100,17 @@ def check_cluster(sc: Any, num_workers: int, cfg: RunConfig) -> None:
     )
 
 
+def is_local(sc: Any) -> bool:
+    """Whether the session runs its tasks in the driver's JVM (``local``, ``local[N]``, ``local[N, F]``)."""
+    return bool(sc.master == "local" or sc.master.startswith("local["))
+
+
 def driver_bind_host(sc: Any) -> str:
-    """The address tasks reach the driver on: loopback in local mode, spark.driver.host otherwise."""
+    """The address tasks reach the driver on: loopback in local mode, whatever the session's
+    spark.driver.host says (nothing of a local run is for other hosts), else spark.driver.host."""
+    if is_local(sc):
+        return "127.0.0.1"
     host = sc.getConf().get("spark.driver.host", None) or os.environ.get("SPARK_LOCAL_IP") or "127.0.0.1"
-    if sc.master.startswith("local[") or sc.master == "local":
-        host = os.environ.get("SPARK_LOCAL_IP", host)
     try:
         return socket.gethostbyname(host)
     except OSError:
@@ -111,19 +118,25 @@ def driver_bind_host(sc: Any) -> str:
 
 
 def run_dir(conf: Any, run_id: str) -> str:
-    """The run's directory: ``<spark.sparkdl.runDir>/<run id>`` (default under the temp dir)."""
-    runs = conf.get("spark.sparkdl.runDir", None) or os.path.join(tempfile.gettempdir(), "sparkdl-runs")
+    """The run's directory: ``<spark.sparkdl.runDir>/<run id>``.
+
+    Without ``spark.sparkdl.runDir``, ``<temp dir>/sparkdl-<uid>/runs/<run id>``: this user's
+    private directory, created 0700 and checked here (a ConfigError when it is a symlink,
+    another user's, or writable by others). A runDir the user set is used as given.
+    """
+    runs = conf.get(RUN_DIR_CONF, None) or str(user_dir("runs", setting=RUN_DIR_CONF))
     return f"{runs.rstrip('/')}/{run_id}"
 
 
 def local_metrics_path(run_dir: str, run_id: str) -> Path:
-    """The metrics file: in the run's directory when that is local, else in a local one."""
+    """The metrics file: in the run's directory when that is local, else in this user's private
+    ``<temp dir>/sparkdl-<uid>/runs/<run id>``."""
     parts = urlsplit(run_dir)
     if len(parts.scheme) <= 1:
         return Path(run_dir) / "metrics.jsonl"
     if parts.scheme == "file":
         return Path(parts.path) / "metrics.jsonl"
-    return Path(tempfile.gettempdir()) / "sparkdl-runs" / run_id / "metrics.jsonl"
+    return user_dir("runs", setting=RUN_DIR_CONF) / run_id / "metrics.jsonl"
 
 
 def mlflow_enabled(conf: Any, cfg: RunConfig) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
-from sparkdl.driver.cluster import driver_bind_host
+from sparkdl.driver.cluster import driver_bind_host, is_local
 from sparkdl.driver.launcher import Job, Launcher
 from sparkdl.driver.monitor import Monitor
 from sparkdl.driver.report import build_report
@@ -52,7 +52,9 @@ class SparkLauncher(Launcher):
         secret = secrets.token_bytes(32)
         with ChannelServer(driver_bind_host(sc), secret, monitor.on_message, monitor.on_close,
                            handshake_timeout_s=cfg.handshake_timeout_s) as server:
-            payload = TaskPayload(job.run, job.fn_bytes, secret.hex(), server.address[0], server.address[1])
+            # In local mode the ranks' listeners (TCPStore, gloo) are on loopback too.
+            payload = TaskPayload(job.run, job.fn_bytes, secret.hex(), server.address[0], server.address[1],
+                                  rank_host="127.0.0.1" if is_local(sc) else None)
             job_index = 0
             while True:
                 outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg)

@@ -26,7 +26,7 @@ from typing import IO, Any, ClassVar, Protocol
 
 from sparkdl._version import __version__
 from sparkdl.errors import ConfigError
-from sparkdl.private import user_dir
+from sparkdl.private import secret_file, user_dir
 from sparkdl.rankspec import fd_env
 
 log = logging.getLogger(__name__)
@@ -239,29 +239,9 @@ def executor_key() -> bytes:
     if factory:
         return hashlib.sha256(f"sparkdl-zygote\0{factory}\0{parent}\0{started}".encode()).digest()
     try:
-        return _key_file(user_dir("zygote", setting="RunConfig(prewarm=False)") / f"{parent}-{started or 0}.key")
+        return secret_file(user_dir("zygote", setting="RunConfig(prewarm=False)") / f"{parent}-{started or 0}.key")
     except (ConfigError, OSError) as exc:
         raise ZygoteError(f"no key for the zygote: {exc}") from exc
-
-
-def _key_file(path: Path) -> bytes:
-    if not path.exists():
-        tmp = path.with_name(f".{secrets.token_hex(8)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_bytes(32))
-            with contextlib.suppress(FileExistsError):  # another task of this executor was first
-                os.link(tmp, path)
-        finally:
-            os.unlink(tmp)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        key = f.read()
-    if info.st_uid != os.getuid() or info.st_mode & 0o077 or len(key) != 32:
-        raise ZygoteError(f"the zygote's key file {path} is not a private 32-byte file of this user")
-    return key
 
 
 def zygote_address(key: bytes) -> str:
