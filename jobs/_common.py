@@ -9,6 +9,10 @@ Defaults come from ``conf/sparkdl-defaults.conf`` (or ``--defaults FILE``, or
 A key ``sparkdl.jobs.<option>`` is the default of ``--<option>`` in every job that has that
 option, ``sparkdl.<job>.<option>`` in that job only (it wins over ``sparkdl.jobs``). Options given
 on the command line win over both.
+
+Where neither names the job's data, model or output, the job uses a directory of its own under
+``<temp dir>/sparkdl-<uid>/jobs`` (:data:`PRIVATE_DEFAULTS`), which only this user may write: a
+fixed name under the shared temp dir would belong to whoever creates it first.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkdl.errors import ConfigError
+from sparkdl.private import user_dir
 from sparkdl.session import conf_pair, create_session
 from sparkdl.session import read_properties as _read_properties
 
@@ -29,6 +34,13 @@ if TYPE_CHECKING:
 
 REPO_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULTS_NAME = "sparkdl-defaults.conf"
+
+# option -> (its directory under <temp dir>/sparkdl-<uid>/jobs, the defaults-file key that moves it)
+PRIVATE_DEFAULTS = {
+    "data": ("digits", "sparkdl.jobs.data"),
+    "model": ("model", "sparkdl.jobs.model"),
+    "output": ("predictions", "sparkdl.inference.output"),
+}
 
 
 def conf_dir() -> Path:
@@ -134,6 +146,28 @@ def _convert(action: argparse.Action, value: str, where: str, parser: argparse.A
         return action.type(value)  # type: ignore[operator]
     except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(f"{where}: {value!r} is not valid: {exc}")
+
+
+def private_help(option: str) -> str:
+    """The words of ``--<option>``'s help that say where it points by default."""
+    name, key = PRIVATE_DEFAULTS[option]
+    return f"(default: {key}, else <temp dir>/sparkdl-<uid>/jobs/{name}, a private directory)"
+
+
+def fill_private_defaults(args: argparse.Namespace, *options: str) -> None:
+    """Sets each of ``options`` that neither the command line nor the defaults file gave to
+    ``<temp dir>/sparkdl-<uid>/jobs/<name>``; ``<temp dir>/sparkdl-<uid>/jobs`` is created 0700 and
+    checked, and the job ends with a message naming the directory and the option when it is not
+    this user's private directory. A value the user gave is kept as it is, unchecked."""
+    for option in options:
+        if getattr(args, option):
+            continue
+        name, key = PRIVATE_DEFAULTS[option]
+        try:
+            jobs = user_dir("jobs", setting=f"--{option} (or {key} in the defaults file)")
+        except ConfigError as exc:
+            raise SystemExit(str(exc)) from None
+        setattr(args, option, str(jobs / name))
 
 
 def under_spark_submit() -> bool:

@@ -35,16 +35,16 @@ examples:
 
 def parse_args(argv: Sequence[str] | None = None) -> Any:
     p = _common.job_parser("etl", "Writes scikit-learn's digits as a sparkdl dataset (training rows) and a Parquet table (test rows).", EPILOG)
-    p.add_argument("--data", required=False, default=None, help="output directory or URL, shared by driver and executors")
+    p.add_argument("--data", required=False, default=None,
+                   help=f"output directory or URL, shared by driver and executors {_common.private_help('data')}")
     p.add_argument("--test-fraction", type=float, default=0.2, help="rows held out for testing (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split (default: %(default)s)")
     p.add_argument("--num-files", type=int, default=None, help="Parquet files of the dataset (default: Spark's parallelism)")
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False, help="replace what DATA holds (default: %(default)s)")
     args = _common.parse_job_args(p, "etl", argv)
-    if not args.data:
-        p.error("--data is required (or sparkdl.jobs.data in the defaults file)")
     if not 0.0 < args.test_fraction < 1.0:
         p.error(f"--test-fraction must be in (0, 1); got {args.test_fraction}")
+    _common.fill_private_defaults(args, "data")
     return args
 
 

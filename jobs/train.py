@@ -38,8 +38,10 @@ exit status: 0, or 1 when the held-out accuracy is below --min-accuracy.
 
 def parse_args(argv: Sequence[str] | None = None) -> Any:
     p = _common.job_parser("train", "Trains an MLP on the digits dataset with sparkdl (DDP on N Spark workers).", EPILOG)
-    p.add_argument("--data", default=None, help="dataset directory written by jobs/etl.py (run first when missing)")
-    p.add_argument("--model", default=None, help="where to save the trained model (directory or URL)")
+    p.add_argument("--data", default=None,
+                   help=f"dataset directory written by jobs/etl.py (run first when missing) {_common.private_help('data')}")
+    p.add_argument("--model", default=None,
+                   help=f"where to save the trained model (directory or URL) {_common.private_help('model')}")
     p.add_argument("--epochs", type=int, default=8, help="passes over the training rows (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=32, help="rows per batch and rank (default: %(default)s)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
@@ -47,9 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Any:
     p.add_argument("--max-attempts", type=int, default=None, help="runs of the gang allowed (default: Spark's stage retries)")
     p.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this held-out accuracy (default: %(default)s)")
     args = _common.parse_job_args(p, "train", argv)
-    for name in ("data", "model"):
-        if not getattr(args, name):
-            p.error(f"--{name} is required (or sparkdl.jobs.{name} in the defaults file)")
+    _common.fill_private_defaults(args, "data", "model")
     return args
 
 

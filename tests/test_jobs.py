@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +66,40 @@ def test_properties_format(tmp_path: Path, jobs: Any) -> None:
     }
 
 
-def test_shipped_defaults_are_valid_for_every_job(jobs: Any) -> None:
+def test_shipped_defaults_are_valid_for_every_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jobs: Any) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the temp dir the defaults go under
     etl = jobs.etl.parse_args([])
     train = jobs.train.parse_args([])
     inference = jobs.inference.parse_args([])
-    assert etl.data == train.data == inference.data == "/tmp/sparkdl-jobs/digits"
-    assert train.model == inference.model
+    # Data, model and predictions: this user's private directory, resolved when the job runs.
+    mine = tmp_path / f"sparkdl-{os.getuid()}"
+    assert etl.data == train.data == inference.data == str(mine / "jobs" / "digits")
+    assert train.model == inference.model == str(mine / "jobs" / "model")
+    assert inference.output == str(mine / "jobs" / "predictions")
+    for directory in (mine, mine / "jobs"):
+        info = directory.lstat()
+        assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
     assert etl.overwrite is True and etl.test_fraction == 0.2
     assert (train.epochs, train.batch_size, train.lr, train.num_workers) == (8, 32, 0.05, 2)
     assert inference.batch_size == 1024  # sparkdl.inference.batch-size, not train's
     assert train.master is None and train.conf == []
+
+
+def test_a_default_location_that_is_not_private_ends_the_job_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jobs: Any
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = tmp_path / f"sparkdl-{os.getuid()}"
+    mine.mkdir()
+    mine.chmod(0o777)  # as if created by someone else's umask, or on purpose
+    with pytest.raises(SystemExit) as exc:
+        jobs.train.parse_args([])
+    assert str(mine) in str(exc.value.code) and "--data" in str(exc.value.code)
+    assert list(mine.iterdir()) == []
+    # A path the user gave is theirs to choose, and inference needs DATA only without --input.
+    args = jobs.inference.parse_args(["--model", str(mine / "m"), "--output", str(mine / "o"), "--input", str(mine / "t")])
+    assert (args.model, args.output, args.data) == (str(mine / "m"), str(mine / "o"), None)
+    assert list(mine.iterdir()) == []
 
 
 def test_command_line_wins_over_job_keys_which_win_over_shared_keys(tmp_path: Path, jobs: Any) -> None:

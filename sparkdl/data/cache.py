@@ -1,18 +1,17 @@
 """The dataset cache: ``write_dataset(df)`` without a path, keyed on what makes two writes the same.
 
 Entries live under the directory the Spark conf ``spark.sparkdl.cacheDir`` names (default
-``<system temp dir>/sparkdl-cache``). An entry is written beside its final place and renamed, so
-a reader never sees a half-written one; the key it records in its manifest is what a later
-write compares.
+``<system temp dir>/sparkdl-<uid>/cache``, private to this user: created 0700 and checked on the
+driver before anything is read from or written into it). An entry is written beside its final
+place and renamed, so a reader never sees a half-written one; the key it records in its manifest
+is what a later write compares.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import posixpath
-import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from sparkdl.data.etl import check_not_empty, exists, finish_manifest, qualify, 
 from sparkdl.data.manifest import MANIFEST_NAME, MANIFEST_VERSION
 from sparkdl.data.scan import path_info
 from sparkdl.errors import DatasetError
+from sparkdl.private import user_dir
 from sparkdl.storage import filesystem, normalize_url, redact
 
 if TYPE_CHECKING:
@@ -33,9 +33,11 @@ CACHE_DIR_CONF = "spark.sparkdl.cacheDir"
 
 def _cache_dir(spark: SparkSession) -> str:
     configured = spark.conf.get(CACHE_DIR_CONF, None)
-    return qualify(spark, configured) if configured else normalize_url(
-        os.path.join(tempfile.gettempdir(), "sparkdl-cache")
-    )
+    if configured:
+        return qualify(spark, configured)  # the user's choice: used as given
+    # The default is resolved, created and checked here, on the driver, before the cache is
+    # looked up: an entry in a directory another user controls could be planted.
+    return normalize_url(str(user_dir("cache", setting=CACHE_DIR_CONF)))
 
 
 def _cache_key(df: DataFrame, options: Mapping[str, Any]) -> str:

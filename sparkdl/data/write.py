@@ -46,12 +46,13 @@ def write_dataset(
     dense or sparse; binary; string.
 
     Cache: with ``path=None`` the data goes under the directory named by the Spark conf
-    ``spark.sparkdl.cacheDir`` (default ``<system temp dir>/sparkdl-cache``, which suits local
-    mode; on a cluster point it at storage every executor and the driver share). The cache entry
-    is keyed on the DataFrame's canonicalized optimized plan and ``semanticHash()``, its schema,
-    its input files (``df.inputFiles()``) with their sizes and modification times, the
-    application id when the plan reads an in-memory RDD, and the arguments of this call. Writing
-    the same plan over unchanged inputs again returns the existing entry without running a job.
+    ``spark.sparkdl.cacheDir`` (default ``<system temp dir>/sparkdl-<uid>/cache``, a directory
+    private to this user, which suits local mode; on a cluster point it at storage every executor
+    and the driver share). The cache entry is keyed on the DataFrame's canonicalized optimized
+    plan and ``semanticHash()``, its schema, its input files (``df.inputFiles()``) with their sizes
+    and modification times, the application id when the plan reads an in-memory RDD, and the
+    arguments of this call. Writing the same plan over unchanged inputs again returns the existing
+    entry without running a job.
     A plan that is not deterministic (``rand()`` without a seed, ``current_timestamp()``) still
     hits the cache; pass a ``path`` to control such writes.
 
@@ -81,7 +82,8 @@ def write_dataset(
 
     Raises:
         ConfigError: an unsupported column type (all such columns are named with their types),
-            an empty DataFrame, a ``path`` that already holds data, or a bad argument.
+            an empty DataFrame, a ``path`` that already holds data, a bad argument, or a default
+            cache directory that is not private (a symlink, another user's, or writable by others).
         DatasetError: ``path`` (or the cache directory) cannot be reached, or Spark failed to write.
     """
     # Duck-typed, so that Spark Connect DataFrames (another class on pyspark 3.5) pass too.

@@ -29,6 +29,7 @@ from sparkdl.driver.monitor import Monitor
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.driver.report import build_report
 from sparkdl.errors import ConfigError, RunFailedError, RunTimeoutError
+from sparkdl.private import user_dir
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
 from sparkdl.task.rankproc import RankProcess
 from sparkdl.task.spawn import read_error
@@ -153,6 +154,8 @@ def run_on_driver(
     """Runs ``fn`` on ``num_processes`` local rank processes; returns rank 0's return value.
 
     ``gpu_ids``: the driver's GPU addresses to hand out, one per rank, or None for CPU.
+    Checkpoints go to ``<temp dir>/sparkdl-<uid>/runs/<run id>/checkpoints``, under this user's
+    private directory (a ConfigError before any process starts when that is not private).
     """
     cfg = config or RunConfig()
     int_at_least("the number of processes", num_processes, 1)
@@ -166,7 +169,8 @@ def run_on_driver(
     run_id = secrets.token_hex(6)
     run = RunSpec(
         run_id=run_id, world_size=num_processes, backend=backend, use_gpu=gpu_ids is not None,
-        checkpoint_url=os.path.join(tempfile.gettempdir(), "sparkdl-runs", run_id, "checkpoints"), config=cfg,
+        # No Spark conf is read here: the temp dir (TMPDIR) is what moves the default.
+        checkpoint_url=str(user_dir("runs", setting="TMPDIR") / run_id / "checkpoints"), config=cfg,
     )
     progress = Progress(cfg.progress_interval_s, cfg.progress)
     monitor = Monitor(num_processes, 1, cfg, None, MetricsLog(None), progress)

@@ -124,12 +124,14 @@ def launch(
         spark: the session to use; by default the active one, else a new local one.
         checkpoint_dir: where ``context().save_checkpoint`` writes: a local or shared path or
             any URL pyarrow/fsspec reach; every executor must reach it. By default a new
-            directory ``<spark.sparkdl.runDir>/<run id>/checkpoints`` (the run directory defaults
-            to ``<temp dir>/sparkdl-runs``, which suits local mode). Pass the same directory
-            again to resume a run that the driver restarted.
+            directory ``<spark.sparkdl.runDir>/<run id>/checkpoints`` (without that conf, runs go
+            under ``<temp dir>/sparkdl-<uid>/runs``, a directory private to this user, which suits
+            local mode). Pass the same directory again to resume a run that the driver restarted.
 
     Raises:
-        ConfigError: bad arguments or Spark confs, before any task starts.
+        ConfigError: bad arguments or Spark confs, before any task starts; also when the default
+            run directory exists but is not private (a symlink, another user's, or writable
+            by others).
         InsufficientSlotsError: the cluster cannot run ``num_workers`` tasks at once.
         RunFailedError: every attempt failed; the message is the per-rank report.
         RunTimeoutError: the gang did not start, or an attempt did not finish, within its bound.
