@@ -25,17 +25,21 @@ input:   --input PATH (a Parquet table), else --table NAME (a table of the sessi
 output:  --output DIR, Parquet: the input columns plus PREDICTION_COL
 
 When the input has a label column (--label-col, default label), the job also prints the accuracy.
+Loading MODEL runs code from its files: a local MODEL that another user owns or that others may
+write to is refused; --conf spark.sparkdl.ml.trustSavedModels=true loads it anyway.
 """
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Any:
     p = _common.job_parser("inference", "Scores a table with a saved sparkdl.TorchModel; writes Parquet.", EPILOG)
-    p.add_argument("--model", default=None, help="the saved model (jobs/train.py's --model)")
+    p.add_argument("--model", default=None, help=f"the saved model (jobs/train.py's --model) {_common.private_help('model')}")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--input", default=None, help="Parquet table to score")
     source.add_argument("--table", default=None, help="catalog table to score")
-    p.add_argument("--data", default=None, help="with neither --input nor --table, score DATA/test")
-    p.add_argument("--output", default=None, help="where to write the scored rows (Parquet)")
+    p.add_argument("--data", default=None,
+                   help=f"with neither --input nor --table, score DATA/test {_common.private_help('data')}")
+    p.add_argument("--output", default=None,
+                   help=f"where to write the scored rows (Parquet) {_common.private_help('output')}")
     p.add_argument("--features-col", default="features", help="the features column (default: %(default)s)")
     p.add_argument("--prediction-col", default="prediction", help="the column to add (default: %(default)s)")
     p.add_argument("--label-col", default="label", help="print the accuracy when this column exists (default: %(default)s)")
@@ -43,14 +47,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Any:
     p.add_argument("--mode", choices=("overwrite", "errorifexists"), default="overwrite",
                    help="when OUTPUT exists (default: %(default)s)")
     args = _common.parse_job_args(p, "inference", argv)
-    if not args.model:
-        p.error("--model is required (or sparkdl.jobs.model in the defaults file)")
-    if not args.output:
-        p.error("--output is required (or sparkdl.inference.output in the defaults file)")
-    if not (args.input or args.table or args.data):
-        p.error("give --input PATH, --table NAME or --data DIR")
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1; got {args.batch_size}")
+    # DATA only matters without --input and --table: its default is not resolved otherwise.
+    _common.fill_private_defaults(args, "model", "output", *(() if args.input or args.table else ("data",)))
     return args
 
 

@@ -8,6 +8,7 @@ listening, and that the source data and the committed checkpoints are intact.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import signal
@@ -65,7 +66,9 @@ class Bomb:
         ctx = sparkdl.context()
         if ctx.attempt == 0 and self.saves == self.on_save:
             os._exit(9)
-        return (dict, ())  # stored as an empty dict: the checkpoint must not need this test module
+        # Stored as an empty OrderedDict: the checkpoint must not need this test module, and
+        # TrainState restores with weights_only=True, which allows OrderedDict but not dict().
+        return (collections.OrderedDict, ())
 
 
 def train(ds: sparkdl.Dataset, fault: dict[str, Any]) -> dict[str, Any]:

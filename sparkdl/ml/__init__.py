@@ -1,8 +1,10 @@
 """Spark ML integration: :class:`TorchEstimator` trains a PyTorch model as one stage of a Pipeline,
 and :class:`TorchModel` scores DataFrames with it, vectorized over Arrow batches.
 
-Importing this package imports pyspark, so ``sparkdl`` loads it on first use of either class.
-Its modules, each importing only those listed before it:
+The two classes subclass pyspark.ml's, so they load on first use (``sparkdl.ml.TorchModel``
+imports pyspark then, ``import sparkdl.ml`` does not): the modules below them, the scoring
+function included, import where pyspark is not installed (``tools/gpu-check`` scores on a GPU
+machine without Spark). Its modules, each importing only those listed before it:
 
 - ``plan``: the task and loss names, and the frozen :class:`~sparkdl.ml.plan.FitPlan` ranks get;
 - ``params``: the Spark ML params and their converters;
@@ -17,7 +19,23 @@ Both classes save and load under the names ``sparkdl.ml.TorchEstimator`` and
 ``sparkdl.ml.TorchModel``, as Spark ML stages name their class in the saved metadata.
 """
 
-from sparkdl.ml.estimator import TorchEstimator
-from sparkdl.ml.model import TorchModel
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparkdl.ml.estimator import TorchEstimator
+    from sparkdl.ml.model import TorchModel
 
 __all__ = ["TorchEstimator", "TorchModel"]
+
+_LAZY = {"TorchEstimator": "sparkdl.ml.estimator", "TorchModel": "sparkdl.ml.model"}
+
+
+def __getattr__(name: str) -> Any:
+    # Spark ML's reader and pickle find the classes by name here (``sparkdl.ml.TorchModel``).
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sparkdl.ml' has no attribute {name!r}")

@@ -57,6 +57,16 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
     The module is kept cloudpickled (on the CPU); ``getModule()`` gives a copy. For a wrapped
     regression model, the first ``transform`` runs the module on one row on the driver (a
     ``limit(1)`` job) to learn whether the prediction is a number or an array.
+
+    **Loading a saved TorchModel runs code from its files** (the module is unpickled on the
+    driver and on every executor), so load only models from a trusted source. ``load`` refuses,
+    with a :class:`~sparkdl.ConfigError` naming the path, a saved model on a local path of
+    which any file or directory belongs to another user (root excepted) or is writable by group
+    or others, as a model planted or altered by someone else would be. When you trust it anyway,
+    opt in with ``TorchModel.load(path, trusted=True)``, or with the Spark conf
+    ``spark.sparkdl.ml.trustSavedModels=true`` (which also reaches a TorchModel inside a
+    ``PipelineModel``). Paths on other filesystems (HDFS, S3, ...) are not checked: their
+    access control is the store's.
     """
 
     # Saved models name their class in their metadata, and Spark ML loads a stage by that name:

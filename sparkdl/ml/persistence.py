@@ -4,14 +4,23 @@ JSON-able params go to the usual ``metadata`` file, so ``save``/``load`` and sav
 ``Pipeline``/``PipelineModel`` work as for Spark's own stages. Values that are not JSON (a module,
 a model factory, an optimizer factory, a loss function) and the trained module are cloudpickled
 into ``data/``: Parquet, written and read by Spark, so any filesystem Spark reaches works.
-Loading unpickles: load only models you trust.
+
+Loading unpickles, which runs code from the saved files: load only models from a trusted source.
+On a local path (no scheme, or ``file:``) :class:`ParamsReader` first refuses, with a
+:class:`ConfigError`, a saved directory of which any file or directory belongs to another user
+(root excepted) or is writable by group or others: such a model may have been planted or altered
+by someone else. ``trusted=True`` (``TorchModel.load(path, trusted=True)``) or the Spark conf
+``spark.sparkdl.ml.trustSavedModels=true`` (which also reaches stages inside a
+``PipelineModel``) skips that check. Other filesystems are not checked.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
@@ -22,7 +31,10 @@ from sparkdl.errors import ConfigError, SparkDLError
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["ParamsReader", "ParamsWriter", "Persistable"]
+__all__ = ["TRUST_CONF", "ParamsReader", "ParamsWriter", "Persistable"]
+
+TRUST_CONF = "spark.sparkdl.ml.trustSavedModels"
+_P = TypeVar("_P", bound="Persistable")
 
 # Saved blobs are cut into Parquet rows of this size.
 _BLOB_CHUNK = 16 * 1024 * 1024
@@ -55,6 +67,19 @@ class Persistable(Params):
 
     def _set_extra_state(self, meta: Mapping[str, Any], blobs: Mapping[str, bytes]) -> None:
         """Restores what :meth:`_extra_state` saved."""
+
+    @classmethod
+    def load(cls: type[_P], path: str, *, trusted: bool = False) -> _P:
+        """The instance saved under ``path`` with ``save``.
+
+        Loading unpickles what was saved (the module, factories, the loss), which runs code from
+        the saved files: load only from a trusted source. A local ``path`` of which any file or
+        directory belongs to another user (root excepted) or is writable by group or others is
+        refused with a :class:`ConfigError` before anything is read. ``trusted=True`` (or the
+        Spark conf ``spark.sparkdl.ml.trustSavedModels=true``, which also reaches stages loaded
+        by ``PipelineModel.load``) skips that check.
+        """
+        return cast(_P, ParamsReader(cls, trusted=trusted).load(path))
 
 
 class ParamsWriter(MLWriter):
@@ -91,14 +116,21 @@ class ParamsWriter(MLWriter):
 class ParamsReader(MLReader[Any]):
     """Reads back what :class:`ParamsWriter` wrote, as an instance of ``cls`` (and only of it)."""
 
-    def __init__(self, cls: type[Persistable]) -> None:
+    def __init__(self, cls: type[Persistable], *, trusted: bool = False) -> None:
         super().__init__()
         self.cls = cls
+        self.trusted = trusted
 
     def load(self, path: str) -> Any:
-        """The instance saved under ``path``; SparkDLError for another class or format."""
+        """The instance saved under ``path``; SparkDLError for another class or format.
+
+        Unless ``trusted`` or the Spark conf ``spark.sparkdl.ml.trustSavedModels`` is true, a
+        local ``path`` is first checked (:func:`check_trusted_files`); nothing is read before.
+        """
         import cloudpickle
 
+        if not self.trusted and str(self.sparkSession.conf.get(TRUST_CONF, "false")).lower() != "true":
+            check_trusted_files(path, self.cls.__name__)
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
         saved = metadata.get("sparkdl") or {}
         expected = f"{self.cls.__module__}.{self.cls.__name__}"
@@ -141,3 +173,43 @@ def _read_blobs(spark: SparkSession, path: str, names: Sequence[str]) -> dict[st
     if missing:
         raise SparkDLError(f"{path} lacks the saved part(s) {missing}; the saved model is incomplete")
     return {name: b"".join(data for _, data in sorted(parts)) for name, parts in pieces.items()}
+
+
+def check_trusted_files(path: str, what: str) -> None:
+    """Refuses (ConfigError) a saved local ``path`` that another user could have written.
+
+    Every directory and file under ``path`` (symlinks followed) must belong to this user or to
+    root and be writable by neither group nor others. URLs of other filesystems pass unchecked.
+    """
+    parts = urlsplit(path)
+    if parts.scheme == "file":
+        local = parts.path
+    elif len(parts.scheme) <= 1 and os.path.lexists(path):  # a local path (or a Windows drive)
+        local = path
+    else:
+        return  # another filesystem (or a path on Spark's default filesystem, not this host's)
+    me = os.geteuid()
+    seen: set[tuple[int, int]] = set()
+    stack = [os.path.abspath(local)]
+    while stack:
+        current = stack.pop()
+        info = os.stat(current)
+        if info.st_uid not in (me, 0) or info.st_mode & 0o022:
+            raise _untrusted(path, what, current, info, me)
+        if stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            stack.extend(os.path.join(current, name) for name in sorted(os.listdir(current)))
+
+
+def _untrusted(path: str, what: str, culprit: str, info: os.stat_result, me: int) -> ConfigError:
+    if info.st_uid not in (me, 0):
+        why = f"belongs to uid {info.st_uid}, not to this user (uid {me})"
+    else:
+        why = f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return ConfigError(
+        f"refusing to load the {what} saved at {path}: {culprit} {why}, so someone else may have "
+        f"written it, and loading a {what} runs code from its files (what it saved is unpickled). "
+        f"If you trust its source, load it with {what}.load(path, trusted=True), or set the Spark "
+        f"conf {TRUST_CONF}=true (also for a PipelineModel holding it); otherwise make the files "
+        f"your own and private (chown -R, chmod -R go-w {path}) after checking them"
+    )

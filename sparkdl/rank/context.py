@@ -70,12 +70,15 @@ class RunContext:
         return CheckpointStore(self.checkpoint_url, keep=self.keep_checkpoints)
 
     def save_checkpoint(self, obj: Any, *, all_ranks: bool = False) -> int | None:
-        """Saves ``obj`` (any picklable object or state_dicts) as the run's next checkpoint.
+        """Saves ``obj`` (state_dicts, tensors, numbers, strings and containers of them, or any
+        picklable object) as the run's next checkpoint.
 
         By default only rank 0 writes and other ranks return None at once; the write is atomic,
         so a crash in the middle leaves the previous checkpoint valid. The last
         ``RunConfig.keep_checkpoints`` are kept. With ``all_ranks=True`` every rank writes to
-        its own subdirectory ``rank-<r>``.
+        its own subdirectory ``rank-<r>``. An ``obj`` holding objects of other classes than the
+        ones listed is saved, but :meth:`load_checkpoint` reads it back only with
+        ``weights_only=False``.
 
         Returns:
             the checkpoint's sequence number on a rank that wrote, else None.
@@ -87,12 +90,19 @@ class RunContext:
             return None
         return self.checkpoints.save(obj)
 
-    def load_checkpoint(self, *, all_ranks: bool = False) -> Any:
-        """The latest complete checkpoint of the run (rank 0's, or this rank's own), or None."""
+    def load_checkpoint(self, *, all_ranks: bool = False, weights_only: bool = True) -> Any:
+        """The latest complete checkpoint of the run (rank 0's, or this rank's own), or None.
+
+        With ``weights_only=True`` (the default) only tensors, numbers, strings and containers
+        of them are loaded, and nothing in the file can run code: a checkpoint holding other
+        objects raises :class:`~sparkdl.SparkDLError` naming the file and what was refused.
+        ``weights_only=False`` unpickles anything, running any code the file holds: use it only
+        for checkpoints you saved yourself in a directory nobody else can write to.
+        """
         store = self.checkpoints
         if all_ranks:
             store = CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep)
-        return store.load()
+        return store.load(weights_only=weights_only)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Sends ``metrics`` (names to numbers or short strings) to the driver, tagged with this rank.

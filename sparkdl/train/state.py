@@ -2,22 +2,54 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkdl._validate import int_at_least
 from sparkdl.rank.context import context
 
+if TYPE_CHECKING:
+    import torch
+
+# RNG states travel between ranks as JSON and sit in checkpoints as plain lists, numbers and
+# strings: neither a peer on the network nor a checkpoint file can make this process run code.
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
 
 def _rng_state() -> dict[str, Any]:
+    """This process's RNG states (Python, numpy, torch, CUDA), as JSON-able values only."""
     import numpy as np
     import torch
 
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, internal, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    keys = np.asarray(keys, dtype=np.uint32)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "name": name,
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": _b64(torch.get_rng_state()),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
@@ -25,31 +57,70 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    py, npy, cpu, cuda = state["python"], state["numpy"], state["torch"], state.get("cuda")
+    if isinstance(py, dict):
+        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+        keys = np.asarray(npy["keys"], dtype=np.uint32)
+        np.random.set_state((npy["name"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+        cpu = _bytes_tensor(cpu)
+        cuda = None if cuda is None else [_bytes_tensor(s) for s in cuda]
+    else:  # the form of earlier sparkdl versions, reached only with weights_only=False
+        random.setstate(py)
+        np.random.set_state(npy)
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
 
 
-def _all_gather(obj: Any) -> list[Any]:
+def _collective_device() -> torch.device:
+    import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    backend = str(dist.get_backend())
+    # sparkdl's own group on GPUs is "cpu:gloo,cuda:nccl"; only a group of the user's that is
+    # NCCL alone needs the tensors on the GPU.
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _all_gather_json(obj: Any) -> list[Any]:
+    """``obj`` (JSON-able) of every rank, in rank order: lengths first, then the padded bytes."""
+    import torch
+    import torch.distributed as dist
+
+    if not _distributed():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    device = _collective_device()
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, length)
+    sizes = [int(n.item()) for n in lengths]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(mine) for _ in sizes]
+    dist.all_gather(out, mine)
+    return [json.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast_seq(seq: int | None) -> int | None:
+    """Rank 0's checkpoint sequence number (or None), on every rank."""
+    import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    if not _distributed():
+        return seq
+    box = torch.tensor([-1 if seq is None else seq], dtype=torch.int64, device=_collective_device())
+    dist.broadcast(box, src=0)
+    value = int(box.item())
+    return None if value < 0 else value
 
 
 class TrainState:
@@ -59,6 +130,15 @@ class TrainState:
     run, when there is one (after a rerun of the gang), then yields the batches that were not yet
     consumed, saving a checkpoint every ``save_every`` steps and at the end of every epoch.
     Every rank must iterate; only rank 0 writes.
+
+    Checkpoints are restored with ``weights_only=True`` (see :meth:`CheckpointStore.load`):
+    what ``TrainState`` saves itself (state_dicts, the loader's position, RNG states as plain
+    numbers) always loads that way, and a file in the checkpoint directory that holds anything
+    else is refused with an error instead of run. ``extra`` must then hold only tensors,
+    numbers, strings, ``None`` and lists, tuples and dicts of them; a save that holds anything
+    else fails at once, naming it. To keep other objects in ``extra``, pass
+    ``weights_only=False``: restoring then unpickles the checkpoint, running any code in it, so
+    do it only when nobody else can write to the checkpoint directory.
 
     Example::
 
@@ -73,11 +153,20 @@ class TrainState:
             return model.module.state_dict()
     """
 
-    def __init__(self, model: Any, optimizer: Any, loader: Any, *, extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        loader: Any,
+        *,
+        extra: dict[str, Any] | None = None,
+        weights_only: bool = True,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loader = loader
         self.extra: dict[str, Any] = dict(extra or {})
+        self.weights_only = weights_only
         self.global_step = 0
         self.restored_from: int | None = None
 
@@ -92,19 +181,19 @@ class TrainState:
 
     def save(self) -> None:
         """Saves a checkpoint now (rank 0 writes; every rank contributes its RNG state)."""
-        rngs = _all_gather(_rng_state())
+        rngs = _all_gather_json(_rng_state())
         ctx = context()
         if ctx.rank == 0:
-            ctx.save_checkpoint({**self.state_dict(), "rng": rngs})
+            ctx.checkpoints.save({**self.state_dict(), "rng": rngs}, weights_only=self.weights_only)
 
     def restore(self) -> bool:
         """Loads the latest checkpoint of the run, the same one on every rank; False when none."""
         ctx = context()
         store = ctx.checkpoints
-        seq = _broadcast(store.latest() if ctx.rank == 0 else None)
+        seq = _broadcast_seq(store.latest() if ctx.rank == 0 else None)
         if seq is None:
             return False
-        ckpt = store.load(seq)
+        ckpt = store.load(seq, weights_only=self.weights_only)
         self.model.load_state_dict(ckpt["model"])
         if self.optimizer is not None and ckpt["optimizer"] is not None:
             self.optimizer.load_state_dict(ckpt["optimizer"])

@@ -4,18 +4,26 @@ A checkpoint is one file, ``ckpt-<seq>.pt`` (``torch.save`` format), in the run'
 directory, which may be a local or shared path or any URL pyarrow/fsspec reach. It is written to
 a temporary name and moved into place, so a crash in the middle of a write leaves the previous
 checkpoint the latest complete one. Only complete files count; the last ``keep`` are kept.
+
+Checkpoints are read back with ``torch.load(weights_only=True)``: tensors, numbers, strings,
+``None`` and lists, tuples, dicts and sets of them load; an object of any other class, whose
+unpickling could run code from the file, is refused with a :class:`SparkDLError` naming the
+file and the refused names. Whoever wrote such a checkpoint themselves loads it with
+``weights_only=False``.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import posixpath
 import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._validate import int_at_least
+from sparkdl.errors import SparkDLError
 from sparkdl.storage import filesystem, normalize_url
 
 if TYPE_CHECKING:
@@ -55,17 +63,31 @@ class CheckpointStore:
         seqs = self.sequence_numbers()
         return seqs[-1] if seqs else None
 
-    def save(self, obj: Any) -> int:
-        """Writes ``obj`` as the next checkpoint, atomically; returns its sequence number."""
+    def save(self, obj: Any, *, weights_only: bool = False) -> int:
+        """Writes ``obj`` as the next checkpoint, atomically; returns its sequence number.
+
+        With ``weights_only=True``, an ``obj`` that :meth:`load` would refuse under its default
+        (it holds objects of classes other than tensors, numbers, strings and containers) is
+        refused now, with a :class:`SparkDLError` naming them, and nothing is written.
+        """
         import torch
 
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        if weights_only:
+            refused = _refused_names(buf.getvalue())
+            if refused:
+                raise SparkDLError(
+                    f"this checkpoint holds objects that loading it with weights_only=True would refuse "
+                    f"({', '.join(refused)}); keep to tensors, numbers, strings, lists, tuples and dicts "
+                    "(state_dicts are), or, to keep such objects, pass weights_only=False (to "
+                    "TrainState(...), or to CheckpointStore.save and .load)"
+                )
         fs, root = self._fs()
         fs.create_dir(root, recursive=True)
         seq = (self.latest() or 0) + 1
         final = posixpath.join(root, f"ckpt-{seq:08d}.pt")
         tmp = posixpath.join(root, f".tmp-ckpt-{seq:08d}-{uuid.uuid4().hex}")
-        buf = io.BytesIO()
-        torch.save(obj, buf)
         with fs.open_output_stream(tmp) as out:
             out.write(buf.getbuffer())
         fs.move(tmp, final)
@@ -80,8 +102,17 @@ class CheckpointStore:
                 fs.delete_file(info.path)
         return seq
 
-    def load(self, seq: int | None = None) -> Any:
-        """The checkpoint ``seq`` (default: the latest complete one), or None when there is none."""
+    def load(self, seq: int | None = None, *, weights_only: bool = True) -> Any:
+        """The checkpoint ``seq`` (default: the latest complete one), or None when there is none.
+
+        Args:
+            seq: the sequence number of the checkpoint to read; None: the latest complete one.
+            weights_only: True (the default) loads tensors, numbers, strings and containers of
+                them only, and never runs code from the file: a checkpoint that holds anything
+                else raises :class:`SparkDLError` naming the file and what was refused. False
+                unpickles anything, which runs whatever code the file holds: pass it only for
+                checkpoints you wrote yourself, on storage nobody else writes to.
+        """
         import torch
 
         if seq is None:
@@ -89,7 +120,47 @@ class CheckpointStore:
             if seq is None:
                 return None
         fs, root = self._fs()
-        with fs.open_input_file(posixpath.join(root, f"ckpt-{seq:08d}.pt")) as f:
+        name = f"ckpt-{seq:08d}.pt"
+        with fs.open_input_file(posixpath.join(root, name)) as f:
             data = f.read()
-        # Checkpoints are this run's own files on the user's storage, so full unpickling is intended.
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        if not weights_only:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise _refused(f"{self.url}/{name}", data, exc) from None
+
+
+def _refused_names(data: bytes) -> list[str]:
+    """The classes and functions named in the ``torch.save`` bytes ``data`` that a weights-only
+    load refuses, sorted; empty when there are none, or when this torch cannot tell (before 2.5).
+    The bytes are only read, never unpickled."""
+    from torch import serialization
+
+    scan = getattr(serialization, "get_unsafe_globals_in_checkpoint", None)
+    if scan is None:
+        return []
+    try:
+        return sorted(scan(io.BytesIO(data)))
+    except Exception:  # not a torch.save zip file: the load itself reports it
+        return []
+
+
+def _refused(where: str, data: bytes, exc: Exception) -> SparkDLError:
+    """The error for a checkpoint that a weights-only load refused, naming what it refused."""
+    refused = ", ".join(_refused_names(data))
+    if not refused:
+        # torch's own message names the refused global or opcode on one of its lines.
+        lines = [line.strip() for line in str(exc).splitlines()]
+        refused = next((line for line in lines if "unsupported" in line.lower()), lines[-1] if lines else repr(exc))
+    hint = ""
+    if "numpy" in refused:
+        hint = " (numpy: earlier versions of sparkdl kept numpy's RNG state as an array in TrainState checkpoints)"
+    return SparkDLError(
+        f"checkpoint {where} holds objects that a weights-only load refuses: {refused}{hint}. Loading them "
+        "would run code from the file, so sparkdl did not; checkpoints of TrainState and of state_dicts "
+        "never hold any. If you wrote this checkpoint yourself (custom objects in TrainState(extra=...) or "
+        "save_checkpoint), load it with weights_only=False: TrainState(..., weights_only=False), "
+        "sparkdl.context().load_checkpoint(weights_only=False) or CheckpointStore.load(weights_only=False). "
+        "If you did not, delete it, and keep checkpoint_dir where only you can write"
+    )
