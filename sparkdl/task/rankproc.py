@@ -140,8 +140,9 @@ class RankProcess:
     def wait(self, timeout: float | None = None) -> int:
         """The rank's exit code (negative: the signal that killed it), once it and its output ended."""
         code = self._proc.wait(timeout)
-        # Children the rank left behind (DataLoader workers, ...) would hold the pipes open.
-        self.kill()
+        # Children the rank left behind (DataLoader workers, ...) would hold the pipes open. Those
+        # outside its group went to the zygote or the task when it died, which end them.
+        kill_group(self.pid)
         self.ready.set()
         for relay in self._relays:
             relay.thread.join(timeout=10)
@@ -150,7 +151,8 @@ class RankProcess:
     def kill(self) -> None:
         """SIGKILLs the rank and all below it: its group, and (the rank being a subreaper) the
         descendants that left the group, as long as the rank lives to hold them."""
-        proctree.kill_descendants(self.pid)
+        if self._proc.returncode is None:  # not yet reaped: the pid is still the rank's
+            proctree.kill_descendants(self.pid)
         kill_group(self.pid)
 
     def close(self) -> None:
