@@ -88,7 +88,10 @@ class GangSpec:
     @classmethod
     def form(cls, spec: RankSpec, *, attempt: int, hosts: list[str], master_port: int) -> GangSpec:
         if spec.gpu_ids:
-            # Each rank sees exactly its own GPUs, so its device is cuda:0 and LOCAL_RANK indexes them.
+            # Each rank sees exactly its task's GPUs (CUDA_VISIBLE_DEVICES), so in torchrun's terms
+            # every task is a node of one process (--nproc_per_node=1): LOCAL_RANK 0 of 1, device
+            # cuda:0, and a rank given several GPUs sees them as cuda:0, cuda:1, ... A host-wide
+            # LOCAL_RANK would send torchrun code's set_device(LOCAL_RANK) to a GPU it cannot see.
             local_rank, local_world = 0, 1
         else:
             local_rank, local_world = hosts[: spec.rank].count(spec.host), hosts.count(spec.host)

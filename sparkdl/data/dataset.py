@@ -115,6 +115,7 @@ class Dataset(ParquetFiles):
         device: Any = None,
         pin_memory: bool | None = None,
         petastorm_workers: int = 2,
+        to_device: bool = False,
     ) -> Loader:
         """This rank's loader: an iterable of ``{column: tensor}`` batches, the same count on every rank.
 
@@ -146,10 +147,15 @@ class Dataset(ParquetFiles):
                 background thread (decode images here).
             prefetch: batches prepared ahead in a background thread (0: none, no thread).
             shuffle_window: rows shuffled together (see :class:`~sparkdl.data.loader.Loader`).
-            device: the device batches go to; pins memory when it is CUDA. By default the
-                run's device.
+            device: the device batches are for (by default the run's device): memory is pinned
+                when it is CUDA, and with ``to_device`` the tensors arrive on it.
             pin_memory: force pinning on or off.
             petastorm_workers: reader threads for ``reader="petastorm"``.
+            to_device: ``True``: tensors arrive on ``device`` already (lists stay lists). On CUDA
+                the background thread copies each batch from pinned memory on a side stream while
+                earlier steps compute, up to ``prefetch`` batches ahead (they wait on the GPU), and
+                the batch is ready for the training thread's current stream when handed out.
+                ``False`` (the default): CPU tensors, moved by the training loop.
         """
         # Imported here: the loader brings numpy and pyarrow, which ``import sparkdl`` must not.
         from sparkdl.data.loader import Loader
@@ -171,6 +177,7 @@ class Dataset(ParquetFiles):
             device=device,
             pin_memory=pin_memory,
             petastorm_workers=petastorm_workers,
+            to_device=to_device,
         )
 
 

@@ -36,10 +36,15 @@ Output: a ``dict`` from column name to
 
 Numeric columns must not hold nulls: the loader stops with :class:`~sparkdl.DatasetError` naming
 the column.
+
+Device: tensors come out on the CPU, pinned when the device is CUDA (the loop's own
+``.to(device)`` then waits on the GPU for the step before it), or, with ``to_device=True``, on
+the device, copied on a side CUDA stream while earlier steps compute (:mod:`~sparkdl.data.prefetch`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,7 +54,7 @@ from sparkdl.data.files import ParquetFiles
 from sparkdl.data.manifest import ARRAY, UNSUPPORTED, ColumnSpec, Manifest
 from sparkdl.data.petastorm import check_petastorm, petastorm_batches
 from sparkdl.data.plan import EpochPlan
-from sparkdl.data.prefetch import Iteration
+from sparkdl.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
 from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker, Spares, arrow_batches
 from sparkdl.errors import ConfigError, NotInRunError
 
@@ -61,17 +66,20 @@ class Loader:
 
     Iterating plays the current epoch from the current position. When an iteration runs to its
     end, the loader moves to the next epoch, position 0, so plain repeated ``for`` loops see
-    epoch after epoch. ``set_epoch(e)`` moves to epoch ``e`` (position 0) unless the loader is
-    already in epoch ``e``: then it keeps its position, so that a position restored with
-    :meth:`load_state_dict` survives the usual ``set_epoch`` call at the top of an epoch loop.
+    epoch after epoch; with ``prefetch``, the background thread is then preparing that epoch's
+    first batches already, so the next loop does not wait for its first window.
+    ``set_epoch(e)`` moves to epoch ``e`` (position 0) unless the loader is already in epoch
+    ``e``: then it keeps its position, so that a position restored with :meth:`load_state_dict`
+    survives the usual ``set_epoch`` call at the top of an epoch loop.
 
     Shuffle: see the module docstring. The default ``shuffle_window`` is 4 times the rows of the
     largest row group, at most 128 MiB of uncompressed data, and at least one batch. A window is
     then rounded to a multiple of ``batch_size`` and evened out so that the rank's share is cut
     into windows of equal size (``loader.shuffle_window`` tells the result). Memory held is about
     two windows (the one being served and the one being read ahead; their arrays are reused for
-    the next windows and epochs, and kept between epochs until :meth:`close`) plus one row
-    group and ``prefetch`` batches. Without shuffle, about two row groups' worth is held.
+    the next windows and epochs, and kept between epochs until :meth:`close`) plus one row group
+    and ``prefetch`` batches (on the device, with ``to_device``). Without shuffle, about two row
+    groups' worth is held.
 
     Resume: :meth:`state_dict` records the epoch and the number of batches this loader has
     yielded in it; after :meth:`load_state_dict` the next iteration yields exactly the batches
@@ -112,6 +120,7 @@ class Loader:
         device: Any = None,
         pin_memory: bool | None = None,
         petastorm_workers: int = 2,
+        to_device: bool = False,
     ) -> None:
         _check_int("batch_size", batch_size, 1)
         _check_int("epoch", epoch, 0)
@@ -126,7 +135,7 @@ class Loader:
             raise ConfigError(f"transform must be callable (batch dict -> batch dict); got {type(transform).__name__}")
         rank, world_size = _resolve_rank(rank, world_size)
         selected = _select_columns(dataset.manifest, columns)
-        pin = _resolve_pin(device, pin_memory)
+        target, pin = device_and_pin(device, pin_memory, to_device, _run_device)
         self._plan = EpochPlan(
             dataset.manifest,
             dataset.url,
@@ -140,17 +149,20 @@ class Loader:
         )
         if reader == "petastorm":
             check_petastorm(self._plan, selected, lengths_known=dataset.manifest.written_by_sparkdl)
-        # What the reader thread needs, and nothing that refers back to this loader, so that
-        # dropping the loader stops its thread.
         self._files = dataset
-        self._make = BatchMaker(selected, pin, transform)
         self._spares = Spares()  # shuffle windows' arrays, reused from window to window and epoch to epoch
         self._reader = reader
-        self._petastorm_workers = petastorm_workers
+        # What the reader thread needs, and nothing that refers back to this loader, so that
+        # dropping the loader stops its thread.
+        self._source = functools.partial(_batches, dataset, self._plan, BatchMaker(selected, pin, transform),
+                                         self._spares, reader, petastorm_workers, prefetch > 0)
         self._prefetch = prefetch
+        self._copy = DeviceCopy(target) if to_device else None
         self._epoch = epoch
         self._step = 0
         self._active: Iteration | None = None
+        self._pump: Pump | None = None
+        self._pump_at: tuple[int, int] | None = None  # its position, once a pass played an epoch to its end
 
     # -- what the plan gives ---------------------------------------------------------------------
 
@@ -205,6 +217,7 @@ class Loader:
         _check_int("epoch", epoch, 0)
         if epoch != self._epoch:
             self._close_active()
+            self._stop_pump()
             self._epoch = epoch
             self._step = 0
 
@@ -253,16 +266,17 @@ class Loader:
         if not isinstance(epoch, int) or not isinstance(step, int) or epoch < 0 or not 0 <= step <= steps:
             raise ConfigError(f"the saved state has epoch={epoch!r}, step={step!r}, out of range for {steps} steps")
         self._close_active()
+        self._stop_pump()
         self._epoch, self._step = (epoch + 1, 0) if step == steps else (epoch, step)
 
     # -- iteration -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stops the background reader of an unfinished iteration (``break`` out of a loop keeps it
-        waiting, with its prefetched batches, until the loader is dropped or iterated again).
-        The position is kept; iterating again resumes from it. The memory kept for the next
-        shuffle windows is let go too."""
+        """Stops the background reader (after ``break``, or after the last epoch, which leaves it
+        preparing the next epoch until the loader is dropped or iterated again). The position is
+        kept; iterating again resumes from it. The memory kept for shuffle windows is let go too."""
         self._close_active()
+        self._stop_pump()
         self._spares.clear()
 
     def __enter__(self) -> Loader:
@@ -273,23 +287,20 @@ class Loader:
 
     def __iter__(self) -> Iterator[Batch]:
         self._close_active()
-        batches: Iterator[Batch]
-        if self._reader == "petastorm":
-            batches = petastorm_batches(
-                self._files, self._plan, self._make, self._petastorm_workers, self._epoch, self._step
-            )
-        else:
-            batches = arrow_batches(
-                self._files,
-                self._plan,
-                self._make,
-                self._epoch,
-                self._step,
-                read_ahead=self._prefetch > 0,
-                spares=self._spares,
-            )
-        self._active = Iteration(batches, self._prefetch, on_batch=self._consumed, on_end=self._finished)
+        at = (self._epoch, self._step)
+        # After a pass that ran to its end, its pump is under way with this epoch already.
+        if self._prefetch and (self._pump is None or self._pump_at != at):
+            self._stop_pump()
+            self._pump = Pump(self._source, *at, self._prefetch, self._copy)
+        self._pump_at = None
+        source: Pump | Iterator[Batch] = self._pump if self._prefetch and self._pump else self._source(*at)
+        self._active = Iteration(source, on_batch=self._consumed, on_end=self._finished, copy=self._copy)
         return self._active
+
+    def _stop_pump(self) -> None:
+        if self._pump is not None:
+            self._pump.close()
+            self._pump, self._pump_at = None, None
 
     def _close_active(self) -> None:
         if self._active is not None:
@@ -305,6 +316,7 @@ class Loader:
             self._epoch += 1
             self._step = 0
             self._active = None
+            self._pump_at = (self._epoch, 0)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -367,19 +379,21 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return int(rank), int(world_size)
 
 
-def _resolve_pin(device: Any, pin_memory: bool | None) -> bool:
-    import torch
+def _run_device() -> Any:
+    from sparkdl.rank.context import context
 
-    if pin_memory is not None:
-        return bool(pin_memory) and torch.cuda.is_available()
-    if device is None:
-        from sparkdl.rank.context import context
+    try:
+        return context().device
+    except NotInRunError:
+        return "cpu"
 
-        try:
-            device = context().device
-        except NotInRunError:
-            return False
-    return bool(torch.device(device).type == "cuda" and torch.cuda.is_available())
+
+def _batches(files: ParquetFiles, plan: EpochPlan, make: BatchMaker, spares: Spares, reader: str, workers: int,
+             read_ahead: bool, epoch: int, step: int) -> Iterator[Batch]:
+    """The batches of ``epoch`` from ``step`` on, from the chosen reader."""
+    if reader == "petastorm":
+        return petastorm_batches(files, plan, make, workers, epoch, step)
+    return arrow_batches(files, plan, make, epoch, step, read_ahead=read_ahead, spares=spares)
 
 
 __all__ = ["LENGTHS_SUFFIX", "Batch", "Loader"]

@@ -98,7 +98,12 @@ def launch(
     Each rank runs in a process of its own with ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set and, with the torch backend, the
     default process group already created (``dist.init_process_group()`` in ``fn`` is accepted
-    too). When any rank fails, Spark reruns the whole gang, up to ``max_attempts`` times in all;
+    too). On CPUs ``LOCAL_RANK`` numbers the ranks of one host, as torchrun's does. On GPUs
+    each rank sees only the GPUs Spark gave its task (``CUDA_VISIBLE_DEVICES``), so it is what
+    torchrun makes of a node started with ``--nproc_per_node=1``: ``LOCAL_RANK`` 0,
+    ``LOCAL_WORLD_SIZE`` 1, device ``cuda:0``; with ``spark.task.resource.gpu.amount=2`` the one
+    rank of a task drives both GPUs, ``cuda:0`` and ``cuda:1`` (``num_workers`` counts tasks,
+    not GPUs). When any rank fails, Spark reruns the whole gang, up to ``max_attempts`` times in all;
     ``sparkdl.context().attempt`` tells the rank which attempt it is in.
 
     Example::
