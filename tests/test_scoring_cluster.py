@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,12 +111,19 @@ def test_fractional_gpus_each_task_its_address_one_load_per_worker(
         "every task loaded the model: no per-worker cache"
     )
 
-    # Every worker said, once, which GPU it was given and that it scores on the CPU instead.
-    told = re.findall(
-        r"sparkdl: Spark gave this task GPU (\d+), .* \(pid (\d+)\)",
-        "\n".join(_executor_stderr(spark.sparkContext.applicationId).values()),
-    )
-    said = {(address, int(pid)) for address, pid in told}
+    # Every worker said, once, which GPU it was given and that it scores on the CPU instead. A
+    # worker's stderr reaches the executor's log file through two copying threads (the executor's
+    # and its Worker's), so the lines may land a moment after the job: wait for them, bounded.
     want_said = {(address, pid) for address, pids in by_address.items() for pid in pids}
+    deadline = time.monotonic() + 30
+    while True:
+        told = re.findall(
+            r"sparkdl: Spark gave this task GPU (\d+), .* \(pid (\d+)\)",
+            "\n".join(_executor_stderr(spark.sparkContext.applicationId).values()),
+        )
+        said = {(address, int(pid)) for address, pid in told}
+        if said >= want_said or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert said == want_said
     assert len(told) == len(said), "a worker repeated the CPU fallback message"
