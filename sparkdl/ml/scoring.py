@@ -130,13 +130,14 @@ def _task_device(use_gpu: bool | None) -> torch.device:
         )
     if address is not None and address not in _CPU_FALLBACK_TOLD:
         _CPU_FALLBACK_TOLD.add(address)
-        print(
+        # One write, newline included: the executor's Python workers share one stderr pipe, and
+        # print() writes the newline separately, so two workers' lines could run together.
+        sys.stderr.write(
             f"sparkdl: Spark gave this task GPU {address}, but torch.cuda.is_available() is False in this Python "
             f"worker (pid {os.getpid()}): TorchModel scores on the CPU. Install a CUDA build of torch on the "
-            "executors, or set useGpu=False to score on the CPU without this message.",
-            file=sys.stderr,
-            flush=True,
+            "executors, or set useGpu=False to score on the CPU without this message.\n"
         )
+        sys.stderr.flush()
     return torch.device("cpu")
 
 
