@@ -29,22 +29,32 @@ def set_subreaper(on: bool = True) -> bool:
         return False
 
 
+def stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, ...; the start
+    time is index 19), or None once the process has ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent of ``pid``, or None once it has ended."""
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields is not None else None
+
+
 def _parents() -> dict[int, int]:
-    """Every live process's parent, read from ``/proc/<pid>/stat``."""
+    """Every live process's parent."""
     found: dict[int, int] = {}
     try:
         names = os.listdir("/proc")
     except OSError:
         return found
     for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # ended meanwhile
-        found[int(name)] = int(fields[1])
+        if name.isdigit() and (parent := parent_of(int(name))) is not None:
+            found[int(name)] = parent
     return found
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, ClassVar, Protocol
 
+from sparkdl import proctree
 from sparkdl._version import __version__
 from sparkdl.errors import ConfigError
 from sparkdl.private import secret_file, user_dir
@@ -179,7 +180,7 @@ class Zygote:
             reply = self._recv(timeout_s)
             if "pid" in reply:
                 pid = int(reply["pid"])
-                if _parent_of(pid) not in (self.pid, None):
+                if proctree.parent_of(pid) not in (self.pid, None):
                     # Never signal a pid the zygote merely named: it must be the zygote's child.
                     raise ZygoteError(f"the zygote answered with pid {pid}, which is not its child")
                 return pid
@@ -207,21 +208,8 @@ def _parent_identity() -> tuple[int, str]:
     """This worker's parent (the PySpark daemon, or the executor JVM) and its start time, so that
     a reused pid never names an old zygote."""
     parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/stat", "rb") as stat:
-            started = stat.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        started = ""
-    return parent, started
-
-
-def _parent_of(pid: int) -> int | None:
-    """The parent of ``pid``, or None once it has ended."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return int(stat.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = proctree.stat_fields(parent)
+    return parent, fields[19].decode() if fields is not None and len(fields) > 19 else ""
 
 
 def executor_key() -> bytes:
