@@ -17,7 +17,7 @@ MAX_LINES = 400
 # the command line sits on top of it.
 LAYERS: list[set[str]] = [
     {"errors", "_validate", "_version", "config", "storage", "private", "proctree", "rankspec", "wire", "session"},
-    {"train.store", "backends"},
+    {"train.store", "train.sharded", "backends"},
     {"rank.context"},
     # "rank" and "train": the packages' own __init__, which import nothing.
     {"train.state", "data", "rank.main", "rank.__main__", "rank", "train"},

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl import rankspec
 from sparkdl.errors import ConfigError, NotInRunError
+from sparkdl.train import sharded as sharded_ckpt
 from sparkdl.train.store import CheckpointStore
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class RunContext:
             raise NotInRunError("this run has no checkpoint directory")
         return CheckpointStore(self.checkpoint_url, keep=self.keep_checkpoints)
 
-    def save_checkpoint(self, obj: Any, *, all_ranks: bool = False) -> int | None:
+    def save_checkpoint(self, obj: Any, *, all_ranks: bool = False, sharded: bool = False) -> int | None:
         """Saves ``obj`` (state_dicts, tensors, numbers, strings and containers of them, or any
         picklable object) as the run's next checkpoint.
 
@@ -80,9 +81,21 @@ class RunContext:
         ones listed is saved, but :meth:`load_checkpoint` reads it back only with
         ``weights_only=False``.
 
+        With ``sharded=True`` (a model sharded with FSDP's ``fully_shard`` or tensor
+        parallelism), every rank must call it with its own ``obj``, e.g.
+        ``{"model": msd, "optimizer": osd}`` from
+        ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``: each rank
+        writes the ``DTensor`` shards it holds (``torch.distributed.checkpoint``), rank 0 the
+        rest, and the checkpoint counts only once every rank's part is written. Load it with
+        ``load_checkpoint(into=...)``, on any number of ranks.
+
         Returns:
             the checkpoint's sequence number on a rank that wrote, else None.
         """
+        if sharded:
+            if all_ranks:
+                raise ConfigError("save_checkpoint: pass sharded=True or all_ranks=True, not both")
+            return sharded_ckpt.save(self.checkpoints, obj, weights_only=False)
         if all_ranks:
             store = self.checkpoints
             return CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep).save(obj)
@@ -90,7 +103,7 @@ class RunContext:
             return None
         return self.checkpoints.save(obj)
 
-    def load_checkpoint(self, *, all_ranks: bool = False, weights_only: bool = True) -> Any:
+    def load_checkpoint(self, *, all_ranks: bool = False, weights_only: bool = True, into: Any = None) -> Any:
         """The latest complete checkpoint of the run (rank 0's, or this rank's own), or None.
 
         With ``weights_only=True`` (the default) only tensors, numbers, strings and containers
@@ -98,8 +111,20 @@ class RunContext:
         objects raises :class:`~sparkdl.SparkDLError` naming the file and what was refused.
         ``weights_only=False`` unpickles anything, running any code the file holds: use it only
         for checkpoints you saved yourself in a directory nobody else can write to.
+
+        ``into`` (needed for a checkpoint saved with ``sharded=True``): what the sharded tensors
+        load into, in place, under the keys they were saved with, e.g.
+        ``{"model": msd, "optimizer": osd}`` from ``get_state_dict(model, optimizer)`` of the
+        model as it is sharded now; the world size may differ from the one that saved. Every
+        rank must call it then (it is collective), and gets the checkpoint with its sharded
+        tensors taken from ``into``; pass them on with ``set_state_dict``.
         """
         store = self.checkpoints
+        if into is not None:
+            if all_ranks:
+                raise ConfigError("load_checkpoint: pass into=... or all_ranks=True, not both")
+            seq = sharded_ckpt.broadcast_seq(store.latest() if self.rank == 0 else None)
+            return None if seq is None else sharded_ckpt.load(store, seq, into, weights_only=weights_only)
         if all_ranks:
             store = CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep)
         return store.load(weights_only=weights_only)

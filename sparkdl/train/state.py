@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import base64
-import json
 import random
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._validate import int_at_least
+from sparkdl.errors import SparkDLError
 from sparkdl.rank.context import context
+from sparkdl.train import sharded as sharded_ckpt
+from sparkdl.train.sharded import all_gather_json, broadcast_seq
 
 if TYPE_CHECKING:
     import torch
@@ -72,57 +74,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _collective_device() -> torch.device:
-    import torch
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend())
-    # sparkdl's own group on GPUs is "cpu:gloo,cuda:nccl"; only a group of the user's that is
-    # NCCL alone needs the tensors on the GPU.
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _all_gather_json(obj: Any) -> list[Any]:
-    """``obj`` (JSON-able) of every rank, in rank order: lengths first, then the padded bytes."""
-    import torch
-    import torch.distributed as dist
-
-    if not _distributed():
-        return [obj]
-    device = _collective_device()
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(dist.get_world_size())]
-    dist.all_gather(lengths, length)
-    sizes = [int(n.item()) for n in lengths]
-    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    out = [torch.empty_like(mine) for _ in sizes]
-    dist.all_gather(out, mine)
-    return [json.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
-
-
-def _broadcast_seq(seq: int | None) -> int | None:
-    """Rank 0's checkpoint sequence number (or None), on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    if not _distributed():
-        return seq
-    box = torch.tensor([-1 if seq is None else seq], dtype=torch.int64, device=_collective_device())
-    dist.broadcast(box, src=0)
-    value = int(box.item())
-    return None if value < 0 else value
-
-
 class TrainState:
     """The common resumable loop: model, optimizer, epoch, step, loader position and RNG states.
 
@@ -139,6 +90,12 @@ class TrainState:
     else fails at once, naming it. To keep other objects in ``extra``, pass
     ``weights_only=False``: restoring then unpickles the checkpoint, running any code in it, so
     do it only when nobody else can write to the checkpoint directory.
+
+    A model sharded with FSDP (``fully_shard``) or tensor parallelism (its parameters are
+    ``DTensor`` s; ``sharded=None`` finds out) is checkpointed sharded: every rank writes its own
+    shards of the model and optimizer (``torch.distributed.checkpoint``), and the checkpoint
+    counts once all are written (:mod:`sparkdl.train.sharded`). A run may resume from a
+    checkpoint that another number of ranks saved, sharded or not: see :meth:`restore`.
 
     Example::
 
@@ -161,42 +118,73 @@ class TrainState:
         *,
         extra: dict[str, Any] | None = None,
         weights_only: bool = True,
+        sharded: bool | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loader = loader
         self.extra: dict[str, Any] = dict(extra or {})
         self.weights_only = weights_only
+        self.sharded = sharded_ckpt.is_sharded_module(model) if sharded is None else bool(sharded)
         self.global_step = 0
         self.restored_from: int | None = None
 
+    def _model_and_optimizer(self) -> tuple[Any, Any]:
+        if not self.sharded:
+            return self.model.state_dict(), self.optimizer.state_dict() if self.optimizer is not None else None
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return get_model_state_dict(self.model), None
+        return get_state_dict(self.model, self.optimizer)
+
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds; with ``sharded``, the model's and optimizer's are this rank's shards."""
+        model, optimizer = self._model_and_optimizer()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "model": model,
+            "optimizer": optimizer,
             "loader": self.loader.state_dict(),
             "global_step": self.global_step,
             "extra": self.extra,
+            "world_size": context().world_size,
         }
 
     def save(self) -> None:
-        """Saves a checkpoint now (rank 0 writes; every rank contributes its RNG state)."""
-        rngs = _all_gather_json(_rng_state())
+        """Saves a checkpoint now: rank 0 writes, or, with ``sharded``, every rank its shards;
+        every rank contributes its RNG state."""
+        rngs = all_gather_json(_rng_state())
         ctx = context()
-        if ctx.rank == 0:
+        if self.sharded:
+            sharded_ckpt.save(ctx.checkpoints, {**self.state_dict(), "rng": rngs}, weights_only=self.weights_only)
+        elif ctx.rank == 0:
             ctx.checkpoints.save({**self.state_dict(), "rng": rngs}, weights_only=self.weights_only)
 
     def restore(self) -> bool:
-        """Loads the latest checkpoint of the run, the same one on every rank; False when none."""
+        """Loads the latest checkpoint of the run, the same one on every rank; False when none.
+
+        A checkpoint saved with another number of ranks loads too: a sharded model and its
+        optimizer are resharded, the loader carries on with the rows the old ranks had left
+        (:meth:`~sparkdl.data.loader.Loader.load_state_dict`), and each rank below the old
+        world size gets its old RNG state back (the others keep theirs).
+        """
         ctx = context()
         store = ctx.checkpoints
-        seq = _broadcast_seq(store.latest() if ctx.rank == 0 else None)
+        seq = broadcast_seq(store.latest() if ctx.rank == 0 else None)
         if seq is None:
             return False
-        ckpt = store.load(seq, weights_only=self.weights_only)
-        self.model.load_state_dict(ckpt["model"])
-        if self.optimizer is not None and ckpt["optimizer"] is not None:
-            self.optimizer.load_state_dict(ckpt["optimizer"])
+        if self.sharded:
+            model, optimizer = self._model_and_optimizer()
+            ckpt = sharded_ckpt.load(store, seq, {"model": model, "optimizer": optimizer},
+                                     weights_only=self.weights_only)
+        else:
+            ckpt = store.load(seq, weights_only=self.weights_only, sharded_ok=True)
+            if isinstance(ckpt, dict) and ckpt.get(sharded_ckpt.SHARDED):
+                raise SparkDLError(
+                    f"checkpoint {seq} of {store.url} is sharded, and this TrainState's model is not: "
+                    "shard the model as the run that saved it did (fully_shard), before TrainState"
+                )
+        self._load_model_and_optimizer(ckpt["model"], ckpt["optimizer"])
         self.loader.load_state_dict(ckpt["loader"])
         self.global_step = int(ckpt["global_step"])
         self.extra = ckpt["extra"]
@@ -204,8 +192,24 @@ class TrainState:
         if len(rngs) > ctx.rank:
             _set_rng_state(rngs[ctx.rank])
         self.restored_from = seq
-        print(f"sparkdl: resumed from checkpoint {seq} (epoch {self.loader.epoch}, step {self.loader.step})", flush=True)
+        saved_size = ckpt.get("world_size", len(rngs))
+        size = f", saved by {saved_size} ranks" if saved_size != ctx.world_size else ""
+        print(f"sparkdl: resumed from checkpoint {seq} (epoch {self.loader.epoch}, step {self.loader.step}{size})",
+              flush=True)
         return True
+
+    def _load_model_and_optimizer(self, model: Any, optimizer: Any) -> None:
+        if not self.sharded:
+            self.model.load_state_dict(model)
+            if self.optimizer is not None and optimizer is not None:
+                self.optimizer.load_state_dict(optimizer)
+            return
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is None or optimizer is None:
+            set_model_state_dict(self.model, model)
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optimizer)
 
     def batches(self, epochs: int, *, save_every: int | None = None) -> Iterator[Any]:
         """Yields the remaining batches of ``epochs`` epochs, checkpointing as it goes."""

@@ -4,6 +4,8 @@ A checkpoint is one file, ``ckpt-<seq>.pt`` (``torch.save`` format), in the run'
 directory, which may be a local or shared path or any URL pyarrow/fsspec reach. It is written to
 a temporary name and moved into place, so a crash in the middle of a write leaves the previous
 checkpoint the latest complete one. Only complete files count; the last ``keep`` are kept.
+A sharded checkpoint (:mod:`sparkdl.train.sharded`) is such a file too, naming the directory
+``shards-<seq>-<token>`` that every rank wrote its shards into; it goes when its file goes.
 
 Checkpoints are read back with ``torch.load(weights_only=True)``: tensors, numbers, strings,
 ``None`` and lists, tuples, dicts and sets of them load; an object of any other class, whose
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+_SHARDS = re.compile(r"^shards-(\d{8})-[0-9a-f]+$")
+SHARDED = "sparkdl_sharded"
+"""The key that marks a sharded checkpoint's commit file (see :mod:`sparkdl.train.sharded`)."""
 
 
 class CheckpointStore:
@@ -70,6 +75,14 @@ class CheckpointStore:
         (it holds objects of classes other than tensors, numbers, strings and containers) is
         refused now, with a :class:`SparkDLError` naming them, and nothing is written.
         """
+        return self.commit((self.latest() or 0) + 1, obj, weights_only=weights_only)
+
+    def commit(self, seq: int, obj: Any, *, weights_only: bool = False, shards: str | None = None) -> int:
+        """Writes ``obj`` as checkpoint ``seq``, atomically, then lets go of what is no longer kept:
+        checkpoints beyond the last ``keep``, their shard directories, the shard directories of
+        saves that never committed (other than ``shards``, this checkpoint's own), and temporary
+        files of writers that crashed."""
+        import pyarrow.fs as pafs
         import torch
 
         buf = io.BytesIO()
@@ -85,24 +98,25 @@ class CheckpointStore:
                 )
         fs, root = self._fs()
         fs.create_dir(root, recursive=True)
-        seq = (self.latest() or 0) + 1
         final = posixpath.join(root, f"ckpt-{seq:08d}.pt")
         tmp = posixpath.join(root, f".tmp-ckpt-{seq:08d}-{uuid.uuid4().hex}")
         with fs.open_output_stream(tmp) as out:
             out.write(buf.getbuffer())
         fs.move(tmp, final)
-        for old in self.sequence_numbers()[: -self.keep]:
-            fs.delete_file(posixpath.join(root, f"ckpt-{old:08d}.pt"))
-        # Temporary files of earlier writers that crashed mid-write are garbage now.
-        import pyarrow.fs as pafs
-
+        kept = set(self.sequence_numbers()[-self.keep :])
         for info in fs.get_file_info(pafs.FileSelector(root)):
             name = posixpath.basename(info.path)
-            if name.startswith(".tmp-ckpt-") and info.path != tmp:
+            done, shard = _NAME.match(name), _SHARDS.match(name)
+            if done and int(done.group(1)) not in kept:
+                fs.delete_file(info.path)
+            elif shard and (int(shard.group(1)) not in kept or (int(shard.group(1)) == seq and name != shards)):
+                fs.delete_dir(info.path)
+            elif name.startswith(".tmp-ckpt-") and info.path != tmp:
+                # Temporary files of earlier writers that crashed mid-write are garbage now.
                 fs.delete_file(info.path)
         return seq
 
-    def load(self, seq: int | None = None, *, weights_only: bool = True) -> Any:
+    def load(self, seq: int | None = None, *, weights_only: bool = True, sharded_ok: bool = False) -> Any:
         """The checkpoint ``seq`` (default: the latest complete one), or None when there is none.
 
         Args:
@@ -112,6 +126,9 @@ class CheckpointStore:
                 else raises :class:`SparkDLError` naming the file and what was refused. False
                 unpickles anything, which runs whatever code the file holds: pass it only for
                 checkpoints you wrote yourself, on storage nobody else writes to.
+            sharded_ok: return a sharded checkpoint's commit record (for
+                :mod:`sparkdl.train.sharded`); by default a sharded checkpoint raises
+                :class:`SparkDLError`, since its shards load only inside the run.
         """
         import torch
 
@@ -123,12 +140,19 @@ class CheckpointStore:
         name = f"ckpt-{seq:08d}.pt"
         with fs.open_input_file(posixpath.join(root, name)) as f:
             data = f.read()
-        if not weights_only:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
         except pickle.UnpicklingError as exc:
+            if not weights_only:
+                raise
             raise _refused(f"{self.url}/{name}", data, exc) from None
+        if not sharded_ok and isinstance(obj, dict) and obj.get(SHARDED):
+            raise SparkDLError(
+                f"checkpoint {self.url}/{name} is sharded: every rank wrote its part of the model with "
+                "torch.distributed.checkpoint. Load it inside the run, on every rank, into the sharded "
+                "model: with sparkdl.TrainState, or sparkdl.context().load_checkpoint(into=...)"
+            )
+        return obj
 
 
 def _refused_names(data: bytes) -> list[str]:

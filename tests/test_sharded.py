@@ -1,0 +1,190 @@
+"""Sharded checkpoints of FSDP models, and resuming a run on another number of ranks.
+
+Every run here is real: ranks are processes launched by ``sparkdl.run`` on a local Spark, the
+model is sharded with FSDP2 (``fully_shard``) over gloo, checkpoints are written by every rank
+with ``torch.distributed.checkpoint`` into a directory on disk, and faults are real (SIGKILL, a
+process exiting in the middle of writing its shards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+import sparkdl
+from sparkdl.errors import SparkDLError
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = [pytest.mark.spark, pytest.mark.fault]
+
+CFG = sparkdl.RunConfig(start_timeout_s=90, slot_wait_s=30, collective_timeout_s=8.0, kill_grace_s=30)
+ROWS = 480
+
+
+@pytest.fixture(scope="module")
+def dataset(spark, tmp_path_factory):  # type: ignore[no-untyped-def]
+    import random
+
+    rng = random.Random(11)
+    rows = []
+    for i in range(ROWS):
+        x = [rng.uniform(-1, 1) for _ in range(8)]
+        rows.append((i, x, sum(x[:4]) - 0.5 * x[5] + rng.gauss(0, 0.05)))
+    df = spark.createDataFrame(rows, "id long, x array<float>, y double")
+    return sparkdl.write_dataset(df, str(tmp_path_factory.mktemp("sharded") / "data"), num_files=4)
+
+
+def _full(model: Any) -> dict[str, Any]:
+    """The whole parameters of a sharded model, on every rank (a collective)."""
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def train(ds: sparkdl.Dataset, opts: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    ctx = sparkdl.context()
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    fully_shard(net[0])
+    fully_shard(net[2])
+    fully_shard(net)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    state = sparkdl.TrainState(net, opt, ds.loader(opts["batch"], seed=3))
+    assert state.sharded
+    fault = opts.get("fault", {})
+    if fault.get("how") == "die_writing_shards" and ctx.attempt == 0 and ctx.rank == fault["rank"]:
+        _die_in_the_nth_shard_write(fault["save"])
+    log = Path(opts["log"]) if "log" in opts else None
+    first: dict[str, Any] | None = None
+    losses = []
+    for batch in state.batches(epochs=opts["epochs"], save_every=opts["save_every"]):
+        if first is None:
+            first = _full(net)  # the parameters the run starts (or resumes) from
+        step = state.global_step
+        if ctx.attempt == 0 and step == fault.get("step") and ctx.rank == fault.get("rank", ctx.rank):
+            if fault["how"] == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault["how"] == "stop":  # the run ends here, its last checkpoint just saved
+                raise RuntimeError(f"stopping after step {step}")
+        if log is not None:
+            with open(log / f"ids-w{ctx.world_size}-r{ctx.rank}", "a") as f:
+                f.write(json.dumps([state.loader.epoch, batch["id"].tolist()]) + "\n")
+        loss = torch.nn.functional.mse_loss(net(batch["x"]).squeeze(1), batch["y"].float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if log is not None and step + 1 == opts.get("snapshot_at"):
+            weights = _full(net)
+            if ctx.rank == 0:
+                torch.save(weights, log / "snapshot.pt")
+    return {
+        "weights": _full(net),
+        "first": first,
+        "attempt": ctx.attempt,
+        "restored_from": state.restored_from,
+        "steps": state.global_step,
+        "losses": losses,
+        "world_size": ctx.world_size,
+    }
+
+
+def _die_in_the_nth_shard_write(n: int) -> None:
+    """Makes this process exit while it writes its shards of the ``n``-th sharded save: its
+    files are half there, DCP's metadata is not, and the other ranks wait in a collective."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+    calls = {"n": 0}
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == n:
+            path = Path(str(self.path))
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "__1_0.distcp").write_bytes(b"half a shard")
+            os._exit(9)
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def reference(spark, dataset, tmp_path_factory):  # type: ignore[no-untyped-def]
+    opts = {"batch": 16, "epochs": 2, "save_every": 4}
+    out = sparkdl.run(train, dataset, opts, num_workers=2, config=CFG,
+                      checkpoint_dir=str(tmp_path_factory.mktemp("ref") / "ckpt"))
+    assert out["attempt"] == 0 and out["restored_from"] is None
+    return out
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from {what}"
+
+
+def test_sigkill_of_a_rank_resumes_the_sharded_model_bitwise_equal(spark, dataset, reference, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    opts = {"batch": 16, "epochs": 2, "save_every": 4, "fault": {"how": "sigkill", "rank": 1, "step": 10}}
+    ckpt = tmp_path / "ckpt"
+    out = sparkdl.run(train, dataset, opts, num_workers=2, max_attempts=3, config=CFG, checkpoint_dir=str(ckpt))
+    assert out["attempt"] == 1
+    assert out["restored_from"] == 2  # saved at steps 4 and 8
+    assert out["steps"] == reference["steps"]
+    _assert_same(out["weights"], reference["weights"], "the uninterrupted run")
+    # Each kept checkpoint is a commit file naming a directory of both ranks' shards.
+    store = sparkdl.CheckpointStore(str(ckpt))
+    seqs = store.sequence_numbers()
+    assert len(seqs) == 3
+    shard_dirs = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert [int(name.split("-")[1]) for name in shard_dirs] == seqs
+    for name in shard_dirs:
+        assert {p.name for p in (ckpt / name).iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    with pytest.raises(SparkDLError, match=r"is sharded.*load_checkpoint\(into="):
+        store.load()
+
+
+def test_a_rank_dying_in_the_middle_of_a_sharded_save_leaves_the_previous_checkpoint(spark, dataset, reference, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    # Rank 1 exits while writing its shards of the 2nd save (step 8): checkpoint 1 stays the latest.
+    opts = {"batch": 16, "epochs": 2, "save_every": 4, "fault": {"how": "die_writing_shards", "rank": 1, "save": 2}}
+    ckpt = tmp_path / "ckpt"
+    out = sparkdl.run(train, dataset, opts, num_workers=2, max_attempts=3, config=CFG, checkpoint_dir=str(ckpt))
+    assert out["attempt"] == 1
+    assert out["restored_from"] == 1, "the half-written checkpoint 2 must never be loaded"
+    _assert_same(out["weights"], reference["weights"], "the uninterrupted run")
+    # The half-written shards are gone; every directory left belongs to a committed checkpoint.
+    store = sparkdl.CheckpointStore(str(ckpt))
+    dirs = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert [int(name.split("-")[1]) for name in dirs] == store.sequence_numbers()
+
+
+def test_planted_metadata_is_refused_without_running_it(spark, dataset, reference, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    opts = {"batch": 16, "epochs": 1, "save_every": 4}
+    ckpt = tmp_path / "ckpt"
+    sparkdl.run(train, dataset, opts, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
+    latest = max(p for p in ckpt.iterdir() if p.is_dir())
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    (latest / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(sparkdl.RunFailedError, match=r"metadata.*holds what no checkpoint metadata holds"):
+        sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, max_attempts=1, config=CFG,
+                    checkpoint_dir=str(ckpt))
+    assert not marker.exists()
