@@ -188,3 +188,35 @@ def test_planted_metadata_is_refused_without_running_it(spark, dataset, referenc
         sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, max_attempts=1, config=CFG,
                     checkpoint_dir=str(ckpt))
     assert not marker.exists()
+
+
+def own_loop(save: bool) -> dict[str, Any]:
+    """A loop of the user's own: ``save_checkpoint(sharded=True)`` and ``load_checkpoint(into=)``."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    ctx = sparkdl.context()
+    torch.manual_seed(1 if save else 2)  # the loading run starts from other weights
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    fully_shard(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    if save:
+        net(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        msd, osd = get_state_dict(net, opt)
+        seq = ctx.save_checkpoint({"model": msd, "optimizer": osd, "note": "mine"}, sharded=True)
+        return {"seq": seq, "weights": _full(net)}
+    msd, osd = get_state_dict(net, opt)
+    ckpt = ctx.load_checkpoint(into={"model": msd, "optimizer": osd})
+    set_state_dict(net, opt, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"])
+    return {"note": ckpt["note"], "weights": _full(net)}
+
+
+def test_a_loop_of_ones_own_saves_and_loads_sharded_checkpoints(spark, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    ckpt = str(tmp_path / "ckpt")
+    saved = sparkdl.run(own_loop, True, num_workers=2, config=CFG, checkpoint_dir=ckpt)
+    assert saved["seq"] == 1
+    loaded = sparkdl.run(own_loop, False, num_workers=1, config=CFG, checkpoint_dir=ckpt)
+    assert loaded["note"] == "mine"
+    _assert_same(loaded["weights"], saved["weights"], "the weights saved by 2 ranks")
