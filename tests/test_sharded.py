@@ -190,6 +190,49 @@ def test_planted_metadata_is_refused_without_running_it(spark, dataset, referenc
     assert not marker.exists()
 
 
+def _fed(log: Path) -> dict[int, dict[tuple[int, int], list[int]]]:
+    """Ids fed in each epoch, by (world size, rank): ``{epoch: {(w, r): [ids...]}}``."""
+    fed: dict[int, dict[tuple[int, int], list[int]]] = {}
+    for path in log.glob("ids-w*-r*"):
+        w, r = (int(part[1:]) for part in path.name.split("-")[1:])
+        for line in path.read_text().splitlines():
+            epoch, ids = json.loads(line)
+            fed.setdefault(epoch, {}).setdefault((w, r), []).extend(ids)
+    return fed
+
+
+@pytest.mark.parametrize(("before", "after", "stop_at"), [(4, 2, 5), (2, 4, 10)], ids=["4-to-2", "2-to-4"])
+def test_a_run_resumes_on_another_number_of_ranks(spark_session, dataset, tmp_path, before, after, stop_at) -> None:  # type: ignore[no-untyped-def]
+    spark_session("local[4]")
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log"
+    log.mkdir()
+    opts = {"batch": 8, "epochs": 2, "save_every": stop_at, "log": str(log), "snapshot_at": stop_at,
+            "fault": {"how": "stop", "step": stop_at}}
+    with pytest.raises(sparkdl.RunFailedError, match=f"stopping after step {stop_at}"):
+        sparkdl.run(train, dataset, opts, num_workers=before, max_attempts=1, config=CFG, checkpoint_dir=str(ckpt))
+    saved = __import__("torch").load(log / "snapshot.pt")
+    out = sparkdl.run(train, dataset, {**opts, "fault": {}}, num_workers=after, config=CFG, checkpoint_dir=str(ckpt))
+    assert out["restored_from"] == 1 and out["world_size"] == after
+    # The model resumed from the checkpoint, resharded from `before` ranks to `after`.
+    _assert_same(out["first"], saved, f"the parameters saved by {before} ranks")
+    fed = _fed(log)
+    # Epoch 0: the rows fed before the checkpoint, by `before` ranks, and after it, by `after`
+    # ranks, are every row exactly once; each run fed the same number of batches on every rank.
+    interrupted = fed[0]
+    everything = sorted(i for ids in interrupted.values() for i in ids)
+    assert everything == list(range(ROWS))
+    old = {r: len(ids) for (w, r), ids in interrupted.items() if w == before}
+    new = {r: len(ids) for (w, r), ids in interrupted.items() if w == after}
+    assert len(old) == before and set(old.values()) == {stop_at * 8}
+    assert len(new) == after and len(set(new.values())) == 1
+    # Epoch 1 is planned for `after` ranks from the start: every row once, equal shares.
+    assert sorted(i for ids in fed[1].values() for i in ids) == list(range(ROWS))
+    assert {len(ids) for ids in fed[1].values()} == {ROWS // after}
+    # Training went on and learned: the last epoch's losses are far below the first steps'.
+    losses = out["losses"]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+
+
 def own_loop(save: bool) -> dict[str, Any]:
     """A loop of the user's own: ``save_checkpoint(sharded=True)`` and ``load_checkpoint(into=)``."""
     import torch

@@ -25,6 +25,19 @@ The remainder policy (``drop_last``):
 
 Either way ``len(loader)`` is the same on every rank, by construction.
 
+Resume (:meth:`Loader.state_dict`, :meth:`Loader.load_state_dict`): at the saved world size, the
+next iteration yields exactly the batches not yet yielded, in the uninterrupted run's order. At
+another world size ``W``, an epoch's start or end is planned for ``W`` as usual; mid-epoch
+(``reader="arrow"`` only), the rest of that epoch comes first: the rows the old ranks had not
+consumed (each one's rest of its own order), concatenated in old-rank order, and new rank ``r``
+takes the ``r``-th of ``W`` equal contiguous ranges of them, with the remainder policy above
+(``drop_last=False``: fewer than ``W`` rows seen twice more; ``True``: fewer than
+``W * batch_size`` dropped, and straight to the next epoch if no full batch is left). Exact: each
+row of the interrupted epoch is seen once (but for those), and all ranks take equal steps.
+Changed: the order of the rest differs from an uninterrupted run at either size; ``len(loader)``
+is the rest's steps while in it. Its state records the world sizes, so resuming again, at any
+size, stays exact (:mod:`sparkdl.data.reshard`). Later epochs are planned for ``W`` as usual.
+
 Output: a ``dict`` from column name to
 
 - a 1-D tensor for numeric columns (int8/16/32/64, float16/32/64, bool);
@@ -52,13 +65,12 @@ import numpy as np
 
 from sparkdl.data.files import ParquetFiles
 from sparkdl.data.manifest import ARRAY, UNSUPPORTED, ColumnSpec, Manifest
-from sparkdl.data.petastorm import check_petastorm, petastorm_batches
+from sparkdl.data.petastorm import check_petastorm
 from sparkdl.data.plan import EpochPlan
 from sparkdl.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
-from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker, Spares, arrow_batches
+from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker, Spares
+from sparkdl.data.reshard import STATE_VERSION, Resume, epoch_batches, restore
 from sparkdl.errors import ConfigError, NotInRunError
-
-_STATE_VERSION = 1
 
 
 class Loader:
@@ -81,10 +93,8 @@ class Loader:
     and ``prefetch`` batches (on the device, with ``to_device``). Without shuffle, about two row
     groups' worth is held.
 
-    Resume: :meth:`state_dict` records the epoch and the number of batches this loader has
-    yielded in it; after :meth:`load_state_dict` the next iteration yields exactly the batches
-    that were not yet yielded, in the same order as the uninterrupted run. Every rank takes the
-    same number of steps, so rank 0's state restores every rank.
+    Resume: :meth:`state_dict` records the epoch and the batches yielded in it, the same on every
+    rank, so rank 0's state restores every rank, at this world size or another (module docstring).
 
     With ``reader="petastorm"``, batches come from Petastorm's ``make_batch_reader`` with
     ``cur_shard=rank, shard_count=world_size`` and are cut to ``batch_size``; the loader stops
@@ -154,8 +164,10 @@ class Loader:
         self._reader = reader
         # What the reader thread needs, and nothing that refers back to this loader, so that
         # dropping the loader stops its thread.
-        self._source = functools.partial(_batches, dataset, self._plan, BatchMaker(selected, pin, transform),
-                                         self._spares, reader, petastorm_workers, prefetch > 0)
+        self._reading = (dataset, self._plan, BatchMaker(selected, pin, transform), self._spares, reader,
+                         petastorm_workers, prefetch > 0)
+        self._resume: Resume | None = None  # the rest of a resharded epoch, while in it
+        self._source = functools.partial(epoch_batches, *self._reading, None)
         self._prefetch = prefetch
         self._copy = DeviceCopy(target) if to_device else None
         self._epoch = epoch
@@ -167,8 +179,8 @@ class Loader:
     # -- what the plan gives ---------------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Batches per epoch; the same on every rank."""
-        return self._plan.steps
+        """Batches of the current epoch (of its rest, in a resharded one); the same on every rank."""
+        return self._resume.steps if self._resume is not None else self._plan.steps
 
     @property
     def epoch(self) -> int:
@@ -218,56 +230,50 @@ class Loader:
         if epoch != self._epoch:
             self._close_active()
             self._stop_pump()
-            self._epoch = epoch
-            self._step = 0
+            self._epoch, self._step = epoch, 0
+            self._set_resume(None)
 
     # -- resume ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: plain values, picklable and JSON-able; the same on every rank."""
+        """The position: plain values, picklable and JSON-able; the same on every rank. ``reshards``
+        lists the earlier world sizes (and steps) of an epoch resumed at another one, else ``[]``."""
         p = self._plan
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "epoch": self._epoch,
             "step": self._step,
-            "steps_per_epoch": p.steps,
+            "steps_per_epoch": len(self),
             "batch_size": p.batch_size,
             "world_size": p.world_size,
             "drop_last": p.drop_last,
             "shuffle": p.shuffle,
             "seed": p.seed,
             "shuffle_window": p.window,
+            "requested_shuffle_window": p.requested_window,
             "reader": self._reader,
             "dataset": self._files.manifest.fingerprint(),
+            "reshards": self._resume.state() if self._resume is not None else [],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a position from :meth:`state_dict`; the next iteration resumes there.
 
+        The state may come from another world size (see the module docstring).
+
         Raises:
-            ConfigError: the state was taken with other settings (batch size, world size,
-                shuffle, seed, window, reader) or on another dataset layout.
+            ConfigError: the state was taken with other settings (batch size, shuffle, seed,
+                window, reader) or on another dataset layout, or mid-epoch at another world
+                size with ``reader="petastorm"``.
         """
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            raise ConfigError(
-                "load_state_dict got something that is not a state from Loader.state_dict() of this "
-                f"sparkdl version (version {state.get('version') if isinstance(state, Mapping) else None!r})"
-            )
-        mine = self.state_dict()
-        for key in ("batch_size", "world_size", "drop_last", "shuffle", "seed", "shuffle_window", "reader", "dataset"):
-            if state.get(key) != mine[key]:
-                what = "dataset layout (files, row groups, columns)" if key == "dataset" else key
-                raise ConfigError(
-                    f"cannot resume: the saved state has {what}={state.get(key)!r} and this loader "
-                    f"{mine[key]!r}; create the loader with the settings (and on the data) of the "
-                    "run that saved the state"
-                )
-        epoch, step, steps = state.get("epoch"), state.get("step"), self._plan.steps
-        if not isinstance(epoch, int) or not isinstance(step, int) or epoch < 0 or not 0 <= step <= steps:
-            raise ConfigError(f"the saved state has epoch={epoch!r}, step={step!r}, out of range for {steps} steps")
+        at = restore(state, self.state_dict(), self._plan)
         self._close_active()
         self._stop_pump()
-        self._epoch, self._step = (epoch + 1, 0) if step == steps else (epoch, step)
+        self._epoch, self._step = at.epoch, at.step
+        self._set_resume(at.resume)
+
+    def _set_resume(self, resume: Resume | None) -> None:
+        self._resume, self._source = resume, functools.partial(epoch_batches, *self._reading, resume)
 
     # -- iteration -------------------------------------------------------------------------------
 
@@ -317,6 +323,7 @@ class Loader:
             self._step = 0
             self._active = None
             self._pump_at = (self._epoch, 0)
+            self._set_resume(None)  # the pump, under way with the next epoch, reads it as planned
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -386,14 +393,6 @@ def _run_device() -> Any:
         return context().device
     except NotInRunError:
         return "cpu"
-
-
-def _batches(files: ParquetFiles, plan: EpochPlan, make: BatchMaker, spares: Spares, reader: str, workers: int,
-             read_ahead: bool, epoch: int, step: int) -> Iterator[Batch]:
-    """The batches of ``epoch`` from ``step`` on, from the chosen reader."""
-    if reader == "petastorm":
-        return petastorm_batches(files, plan, make, workers, epoch, step)
-    return arrow_batches(files, plan, make, epoch, step, read_ahead=read_ahead, spares=spares)
 
 
 __all__ = ["LENGTHS_SUFFIX", "Batch", "Loader"]

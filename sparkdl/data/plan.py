@@ -52,18 +52,15 @@ class EpochPlan:
             raise DatasetError(f"{redact(url)} has no rows; write some data into it first")
         self.num_rows = total
         b = batch_size
-        if drop_last:
-            self.per_rank = (total // (world_size * b)) * b
-            if self.per_rank == 0:
-                raise ConfigError(
-                    f"drop_last=True leaves no batch: the dataset has {total} rows, fewer than "
-                    f"world_size * batch_size = {world_size} * {b}. Use a smaller batch_size or "
-                    "drop_last=False"
-                )
-            self.steps = self.per_rank // b
-        else:
-            self.per_rank = -(-total // world_size)
-            self.steps = -(-self.per_rank // b)
+        self.per_rank = share_rows(total, world_size, b, drop_last)
+        if self.per_rank == 0:
+            raise ConfigError(
+                f"drop_last=True leaves no batch: the dataset has {total} rows, fewer than "
+                f"world_size * batch_size = {world_size} * {b}. Use a smaller batch_size or "
+                "drop_last=False"
+            )
+        self.steps = _ceil_div(self.per_rank, b)
+        self.requested_window = shuffle_window
         self.window = self._window_rows(shuffle_window, manifest.uncompressed_bytes)
         # Rows read and held at a time. Without shuffle nothing is mixed, so one row group's worth
         # (in whole batches) is enough, and memory stays near that of a plain row-group reader.
@@ -89,14 +86,24 @@ class EpochPlan:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch, 0]).permutation(n)
 
-    def window_permutation(self, epoch: int, window: int, n: int) -> np.ndarray:
-        """The order of the ``n`` rows of this rank's ``window``-th window in ``epoch``."""
-        return np.random.default_rng([self.seed, epoch, 1, self.rank, window]).permutation(n)
+    def window_permutation(self, epoch: int, window: int, n: int, rank: int | None = None) -> np.ndarray:
+        """The order of the ``n`` rows of the ``window``-th window of ``rank`` (this rank when
+        None) in ``epoch``; a resume at another world size rebuilds the old ranks' orders with it."""
+        owner = self.rank if rank is None else rank
+        return np.random.default_rng([self.seed, epoch, 1, owner, window]).permutation(n)
 
     def pieces_of_share(self, epoch: int) -> list[tuple[int, int, int, int]]:
         """This rank's share of ``epoch`` as ``(file index, row group in file, start, stop)`` pieces."""
         share = pieces(self.rg_rows, self.row_group_order(epoch), self.rank * self.per_rank, self.per_rank)
         return [(int(self.rg_file[g]), int(self.rg_index[g]), a, z) for g, a, z in share]
+
+
+def share_rows(total: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """Rows per rank when ``world_size`` ranks share a stream of ``total`` rows: ``ceil(total / W)``
+    (the stream wraps for the missing ones), or, with ``drop_last``, whole batches only (maybe 0)."""
+    if drop_last:
+        return (total // (world_size * batch_size)) * batch_size
+    return _ceil_div(total, world_size)
 
 
 def pieces(rows: np.ndarray, order: np.ndarray, start: int, count: int) -> list[tuple[int, int, int]]:

@@ -9,10 +9,10 @@ Arrow until a batch is cut from them. The output format is described in
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +23,8 @@ from sparkdl.data.manifest import ARRAY, BINARY, SCALAR, STRING, ColumnSpec
 from sparkdl.data.plan import EpochPlan, pieces
 from sparkdl.errors import DatasetError
 from sparkdl.storage import redact
+
+T = TypeVar("T")
 
 Batch: TypeAlias = dict[str, Any]
 """One batch: ``{column: torch.Tensor | list}``."""
@@ -87,22 +89,16 @@ def arrow_batches(
     def read(k: int) -> Window:
         lo, hi = k * unit, min((k + 1) * unit, per_rank)
         share = pieces(plan.rg_rows, order, base + lo, hi - lo)
-        builder = WindowBuilder(columns, hi - lo, _where(files, plan, share), spare)
+        builder = WindowBuilder(columns, hi - lo, location(files, plan, share), spare)
         for g, a, z in share:
             part = reader.row_group(g).slice(a, z - a)
             builder.add({c.name: part.column(c.name).chunks for c in columns}, z - a)
             del part
         return builder.finish()
 
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-read") if read_ahead else None
+    windows = read_in_turn(read, units, read_ahead=read_ahead)
     try:
-        pending: Future[Window] | None = None
-        for i, k in enumerate(units):
-            if pool is None:
-                data = read(k)
-            else:
-                data = (pending or pool.submit(read, k)).result()
-                pending = pool.submit(read, units[i + 1]) if i + 1 < len(units) else None
+        for k, data in zip(units, windows, strict=True):
             n = min((k + 1) * unit, per_rank) - k * unit
             perm = plan.window_permutation(epoch, k, n) if plan.shuffle else None
             s = max(first - k * unit, 0)
@@ -114,8 +110,26 @@ def arrow_batches(
                 spare.give(data)
             del data, perm
     finally:
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        windows.close()
+
+
+def read_in_turn(read: Callable[[int], T], keys: Sequence[int], *, read_ahead: bool) -> Generator[T, None, None]:
+    """``read(k)`` for each of ``keys``, in order. With ``read_ahead``, one thread reads the next
+    while the caller serves this one; closing the generator stops it."""
+    if not read_ahead:
+        for k in keys:
+            yield read(k)
+        return
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-read")
+    try:
+        pending: Future[T] | None = None
+        for i, k in enumerate(keys):
+            # The future served last is let go here, before the read after next starts.
+            current = pending or pool.submit(read, k)
+            pending = pool.submit(read, keys[i + 1]) if i + 1 < len(keys) else None
+            yield current.result()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Spares:
@@ -160,7 +174,8 @@ class Spares:
             self._free.clear()
 
 
-def _where(files: ParquetFiles, plan: EpochPlan, share: Sequence[tuple[int, int, int]]) -> str:
+def location(files: ParquetFiles, plan: EpochPlan, share: Sequence[tuple[int, int, int]]) -> str:
+    """Where ``(row group, start, stop)`` pieces are, for messages: the dataset and its files."""
     specs = files.manifest.files
     names = sorted({specs[int(plan.rg_file[g])].path for g, _, _ in share})
     return f"in {redact(files.url)}: {', '.join(names)}" if names[0] else f"in {redact(files.url)}"
