@@ -64,6 +64,26 @@ class RunConfig:
             :func:`sparkdl.driver.report.unrecoverable`).
         outcome_wait_s: after a rank fails, how long to wait for the other ranks of its attempt
             to report their own outcome before judging whether a rerun can help.
+        min_workers: let the gang shrink when executors are gone for good. ``None`` (the
+            default): every attempt runs ``num_workers`` ranks, and a gang that cannot get its
+            slots after a failure stops the run after ``start_timeout_s``. With ``min_workers=M``
+            (1 <= M <= ``num_workers``): when an attempt failed and the next gang cannot get
+            ``num_workers`` free task slots within ``slot_wait_s`` (an executor or host was lost
+            and not replaced), the driver stops that Spark job and runs the next attempt as a new
+            job on as many ranks as there are free slots, but not fewer than M; with fewer than
+            M free slots the run fails with :class:`~sparkdl.InsufficientSlotsError`. The new
+            attempt keeps the run id, checkpoint directory and attempt count (it still counts
+            against ``max_attempts``), and its ranks see the new ``WORLD_SIZE`` and
+            ``sparkdl.context().world_size``: resume from a checkpoint that does not depend on
+            the number of ranks. ``RunResult.world_sizes`` lists each attempt's world size.
+            Raise ``slot_wait_s`` where replacing an executor takes longer (YARN, Kubernetes),
+            so that the run does not shrink while a replacement is on its way.
+
+            Example::
+
+                cfg = sparkdl.RunConfig(min_workers=2, slot_wait_s=60)
+                result = sparkdl.launch(train, num_workers=4, max_attempts=4, config=cfg)
+                result.world_sizes  # e.g. [4, 3]: an executor was lost during attempt 0
     """
 
     max_attempts: int | None = None
@@ -84,6 +104,7 @@ class RunConfig:
     mlflow: bool | None = None
     prewarm: bool = True
     outcome_wait_s: float = 10.0
+    min_workers: int | None = None
 
     def __post_init__(self) -> None:
         int_at_least("max_attempts", self.max_attempts, 1, note=" (1 means no rerun)", allow_none=True)
@@ -92,6 +113,8 @@ class RunConfig:
             positive_seconds(f"RunConfig.{name}", getattr(self, name))
         int_at_least("RunConfig.log_tail_lines", self.log_tail_lines, 0)
         int_at_least("RunConfig.keep_checkpoints", self.keep_checkpoints, 1)
+        int_at_least("RunConfig.min_workers", self.min_workers, 1, allow_none=True,
+                     note=" (the fewest ranks a shrunk gang may run on)")
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` applied and validated, e.g. ``cfg.replace(timeout_s=600)``."""

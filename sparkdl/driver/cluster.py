@@ -51,15 +51,33 @@ def task_slots(sc: Any) -> int | None:
         return None
 
 
-def busy_slots(sc: Any) -> int:
-    """Task slots that running stages hold now."""
+def busy_slots(sc: Any, *, except_group: str | None = None) -> int:
+    """Task slots that running stages hold now, less those of the jobs of ``except_group``."""
     tracker = sc.statusTracker()
+    own: set[int] = set()
+    if except_group is not None:
+        for job_id in tracker.getJobIdsForGroup(except_group):
+            job = tracker.getJobInfo(job_id)
+            if job is not None:
+                own.update(job.stageIds)
     busy = 0
     for stage_id in tracker.getActiveStageIds():
-        info = tracker.getStageInfo(stage_id)
+        info = tracker.getStageInfo(stage_id) if stage_id not in own else None
         if info is not None:
             busy += info.numActiveTasks
     return busy
+
+
+def free_slots(sc: Any, group: str) -> int | None:
+    """Task slots free now for the gang of job group ``group``: the live executors' slots less
+    those other jobs hold (the group's own tasks are the gang's); None when Spark does not say."""
+    total = task_slots(sc)
+    if total is None:
+        return None
+    try:
+        return max(total - busy_slots(sc, except_group=group), 0)
+    except Exception:  # the status tracker of a stopping context
+        return None
 
 
 def check_cluster(sc: Any, num_workers: int, cfg: RunConfig) -> None:

@@ -78,10 +78,33 @@ class Monitor:
             self._hellos[key] = msg
             self.cond.notify_all()
 
+    def world_sizes(self) -> list[int]:
+        """The number of ranks of each attempt's gang, in order."""
+        with self.cond:
+            return [len(tids) for tids, _ in sorted(self._gangs.items(), key=lambda item: item[1])]
+
+    def awaiting_gang(self) -> bool:
+        """Whether the latest attempt failed and the next gang has not formed yet."""
+        with self.cond:
+            latest = len(self._gangs) - 1
+            return self._running_since is None and any(
+                rec.failed for (a, _), rec in self.records.items() if a == latest
+            )
+
+    def resize(self, world_size: int) -> None:
+        """The next Spark job runs a gang of ``world_size`` ranks; the stopped job's stop is over."""
+        with self.cond:
+            self.num_workers = world_size
+            self.stopping = None
+            self.cond.notify_all()
+
     def join(self, key: Hashable, rank: int, msg: Gang) -> GoAhead:
         """A task's gang formed: its attempt number, or why it must not run."""
         with self.cond:
             hello = self._hellos.pop(key, None)
+            if len(msg.tids) != self.num_workers:
+                # A straggler of a Spark job stopped to run the gang on fewer ranks: not an attempt.
+                return GoAhead(False, reason=f"the run goes on with {self.num_workers} ranks, not {len(msg.tids)}")
             attempt = self._gangs.setdefault(msg.tids, len(self._gangs))
             refuse = self.stopping or (
                 f"attempt {attempt} exceeds max_attempts={self.max_attempts}" if attempt >= self.max_attempts else None
@@ -178,12 +201,12 @@ class Monitor:
 
     # ---- the policy -----------------------------------------------------------------------
 
-    def check(self, job_started: float) -> policy.Verdict:
-        """The policy's verdict now; call with ``cond`` held."""
+    def check(self, job_started: float, slots: policy.Slots | None = None) -> policy.Verdict:
+        """The policy's verdict now, given the free task slots (when short); call with ``cond`` held."""
         for attempt in range(len(self._gangs)):
             if attempt not in self._start_seq:
                 self._start_seq[attempt] = self._latest_checkpoint()
-        snap = self._snapshot(job_started)
+        snap = dataclasses.replace(self._snapshot(job_started), slots=slots)
         # The checkpoint store is read only for the failed attempts that can be judged now.
         ready = {v.attempt for v in snap.attempts if policy.ready_to_judge(v, snap, self.cfg)}
         if ready:

@@ -5,11 +5,14 @@ reported into a :class:`Snapshot` (reading the checkpoint store only for the att
 :func:`ready_to_judge` names), and :func:`judge` maps it to a :class:`Verdict`: keep waiting, or
 stop the Spark job now, and why, quoting the setting that bounds it. Spark itself reruns the gang
 while its stage attempts last; :func:`after_job` decides whether a new Spark job continues the
-count when they ran out first. Every time it uses is a :class:`~sparkdl.config.RunConfig` field.
+count when they ran out first, and :func:`reschedule` whether a gang that lacks task slots after
+a failure goes on with fewer ranks (``RunConfig.min_workers``). Every time it uses is a
+:class:`~sparkdl.config.RunConfig` field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +29,18 @@ class Decision(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Slots:
+    """Task slots for the gang that waits to be scheduled after a failed attempt, when too few."""
+
+    needed: int  # ranks of the gang Spark tries to schedule
+    free: int  # slots free for it now (all slots less those other jobs hold)
+    short_since: float  # since when fewer than ``needed`` have been free
+
+    def describe(self, subject: str = "the gang") -> str:
+        return f"{subject} needs {self.needed} task slots and only {self.free} are free"
+
+
+@dataclass(frozen=True)
 class Verdict:
     decision: Decision
     reason: str | None = None
@@ -34,6 +49,10 @@ class Verdict:
     gave_up: str | None = None
     # Failed attempts now found worth a rerun: they are not judged again.
     judged: tuple[int, ...] = ()
+    # RERUN: the ranks of the next attempt's gang (fewer than now: RunConfig.min_workers).
+    world_size: int | None = None
+    # STOP because the next gang cannot get its task slots.
+    slots: Slots | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,8 @@ class Snapshot:
     num_workers: int
     max_attempts: int
     attempts: tuple[AttemptView, ...]
+    # Polled only while a gang waits to be scheduled after a failure, and only when short.
+    slots: Slots | None = None
 
     def previous(self, view: AttemptView) -> tuple[RankRecord, ...]:
         earlier = [a for a in self.attempts if a.attempt == view.attempt - 1]
@@ -162,13 +183,22 @@ def judge(snapshot: Snapshot, cfg: RunConfig) -> Verdict:
             )
         judged.append(view.attempt)
     if snapshot.running_since is None:
+        shrink = reschedule(snapshot, cfg)
+        if shrink is not None:
+            return dataclasses.replace(shrink, judged=tuple(judged))
         waiting = snapshot.now - max(snapshot.last_trouble, snapshot.job_started)
         if waiting > cfg.start_timeout_s:
+            why = "the cluster's task slots may be busy with other jobs"
+            if snapshot.slots is not None:
+                why = (
+                    f"{snapshot.slots.describe()} (an executor was lost and not replaced, or other "
+                    "jobs hold them); add executors, or set RunConfig.min_workers to go on with "
+                    "fewer ranks"
+                )
             return Verdict(
                 Decision.STOP,
                 f"only {snapshot.waiting_tasks} of {snapshot.num_workers} ranks started within "
-                f"start_timeout_s={cfg.start_timeout_s:g} s (RunConfig.start_timeout_s); "
-                "the cluster's task slots may be busy with other jobs",
+                f"start_timeout_s={cfg.start_timeout_s:g} s (RunConfig.start_timeout_s); {why}",
                 timed_out=True,
                 judged=tuple(judged),
             )
@@ -180,6 +210,35 @@ def judge(snapshot: Snapshot, cfg: RunConfig) -> Verdict:
             judged=tuple(judged),
         )
     return Verdict(Decision.WAIT, judged=tuple(judged))
+
+
+def reschedule(snapshot: Snapshot, cfg: RunConfig) -> Verdict | None:
+    """With ``RunConfig.min_workers``: what to do about a gang that lacks task slots after a failure.
+
+    None when this does not apply (no ``min_workers``, or enough slots): the other bounds hold.
+    While the slots have been short for at most ``slot_wait_s``, WAIT (a lost executor may be
+    replaced). Then RERUN on as many ranks as there are free slots, or STOP when they are fewer
+    than ``min_workers``.
+    """
+    slots = snapshot.slots
+    if cfg.min_workers is None or slots is None or slots.free >= slots.needed:
+        return None
+    if snapshot.now - slots.short_since <= cfg.slot_wait_s:
+        return Verdict(Decision.WAIT)
+    if slots.free >= cfg.min_workers:
+        return Verdict(
+            Decision.RERUN,
+            f"{slots.describe()} after slot_wait_s={cfg.slot_wait_s:g} s (RunConfig.slot_wait_s): "
+            f"the next attempt runs on {slots.free} ranks (RunConfig.min_workers={cfg.min_workers})",
+            world_size=slots.free,
+        )
+    return Verdict(
+        Decision.STOP,
+        f"the gang could not be rescheduled: {slots.describe('it')} after waiting "
+        f"slot_wait_s={cfg.slot_wait_s:g} s (RunConfig.slot_wait_s), fewer than "
+        f"RunConfig.min_workers={cfg.min_workers}",
+        slots=slots,
+    )
 
 
 def after_job(*, stopped: bool, attempts_used: int, max_attempts: int) -> Decision:

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 class RunResult:
     """What :func:`sparkdl.launch` returns: rank 0's value, the metrics, and where the run kept its files.
 
+    ``attempts`` counts the gangs that formed and ``world_sizes`` gives each one's number of ranks,
+    in order: ``[4, 4, 3]`` when the third attempt ran on fewer ranks (``RunConfig.min_workers``).
+
     Example::
 
         result = sparkdl.launch(train, ds, num_workers=4)
@@ -26,6 +29,7 @@ class RunResult:
     run_dir: str
     checkpoint_dir: str
     attempts: int
+    world_sizes: list[int] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
     metrics_path: str | None = None
 
@@ -85,6 +89,7 @@ def log_to_mlflow(result: RunResult, *, num_workers: int, backend: str, succeede
             "sparkdl.num_workers": num_workers,
             "sparkdl.backend": backend,
             "sparkdl.attempts": result.attempts,
+            "sparkdl.world_sizes": ",".join(map(str, result.world_sizes)),
             "sparkdl.succeeded": succeeded,
         })
         skip = {"rank", "attempt", "time", "step"}

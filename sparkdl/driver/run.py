@@ -104,7 +104,9 @@ def launch(
     ``LOCAL_WORLD_SIZE`` 1, device ``cuda:0``; with ``spark.task.resource.gpu.amount=2`` the one
     rank of a task drives both GPUs, ``cuda:0`` and ``cuda:1`` (``num_workers`` counts tasks,
     not GPUs). When any rank fails, Spark reruns the whole gang, up to ``max_attempts`` times in all;
-    ``sparkdl.context().attempt`` tells the rank which attempt it is in.
+    ``sparkdl.context().attempt`` tells the rank which attempt it is in. With
+    ``RunConfig(min_workers=M)``, a rerun that cannot get ``num_workers`` task slots (an executor
+    lost for good) goes on with fewer ranks, at least ``M``; ``RunResult.world_sizes`` says how many.
 
     Example::
 
@@ -137,7 +139,9 @@ def launch(
         ConfigError: bad arguments or Spark confs, before any task starts; also when the default
             run directory exists but is not private (a symlink, another user's, or writable
             by others).
-        InsufficientSlotsError: the cluster cannot run ``num_workers`` tasks at once.
+        InsufficientSlotsError: the cluster cannot run ``num_workers`` tasks at once; with
+            ``RunConfig.min_workers``, also when the gang after a failed attempt cannot get even
+            ``min_workers`` free slots within ``slot_wait_s``.
         RunFailedError: every attempt failed; the message is the per-rank report.
         RunTimeoutError: the gang did not start, or an attempt did not finish, within its bound.
     """
@@ -147,6 +151,12 @@ def launch(
     if not callable(fn):
         raise ConfigError(f"fn must be callable; got {type(fn).__name__}")
     int_at_least("num_workers", num_workers, 1)
+    if cfg.min_workers is not None and cfg.min_workers > num_workers:
+        raise ConfigError(
+            f"RunConfig.min_workers={cfg.min_workers} is more than num_workers={num_workers}: "
+            "min_workers is the fewest ranks a gang may shrink to; set it to at most num_workers, "
+            "or to None for a gang that never shrinks"
+        )
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is unknown; choose one of {', '.join(map(repr, BACKENDS))}")
     fn_bytes = pickle_payload(fn, args, kwargs)
@@ -180,6 +190,7 @@ def launch(
             run_dir=run_dir,
             checkpoint_dir=store.url,
             attempts=monitor.attempts_seen(),
+            world_sizes=monitor.world_sizes(),
             records=metrics.records,
             metrics_path=str(metrics.path) if metrics.path else None,
         )

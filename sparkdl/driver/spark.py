@@ -4,12 +4,17 @@ A barrier *result* stage is never retried, so the stage is followed by a shuffle
 (``repartition(1)``): Spark then reruns every task of the stage when any rank fails, up to
 ``spark.stage.maxConsecutiveAttempts``. The driver watches every rank over an authenticated
 channel, stops the job when the failure policy says so, and starts a new job when Spark's stage
-attempts ran out before ``max_attempts``.
+attempts ran out before ``max_attempts``. After a failure it also watches the cluster's free task
+slots: Spark would wait without end for the slots of a resubmitted barrier stage, so with
+``RunConfig.min_workers`` a gang short of slots for ``slot_wait_s`` goes on in a new job with
+fewer ranks (and without it, the ``start_timeout_s`` report says which slots are missing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import re
 import secrets
 import threading
@@ -19,11 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
-from sparkdl.driver.cluster import driver_bind_host, is_local
+from sparkdl.driver.cluster import driver_bind_host, free_slots, is_local
 from sparkdl.driver.launcher import Job, Launcher
 from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.report import build_report
-from sparkdl.errors import ConfigError, RunFailedError, RunTimeoutError, SparkDLError
+from sparkdl.driver.report import RankRecord, build_report
+from sparkdl.errors import (
+    ConfigError,
+    InsufficientSlotsError,
+    RunFailedError,
+    RunTimeoutError,
+    SparkDLError,
+)
 from sparkdl.task.main import TaskPayload, task_main
 from sparkdl.wire.channel import ChannelServer
 
@@ -31,6 +42,9 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 _RESULT_SCHEMA = "chunk long, data binary"
+# How often the driver looks at its ranks' state, and at the cluster's free slots after a failure.
+_POLL_S = 0.25
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,11 +70,16 @@ class SparkLauncher(Launcher):
             payload = TaskPayload(job.run, job.fn_bytes, secret.hex(), server.address[0], server.address[1],
                                   rank_host="127.0.0.1" if is_local(sc) else None)
             job_index = 0
+            watch = _SlotWatch(sc)
             while True:
-                outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg)
+                outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg, watch)
                 job_index += 1
                 if outcome.result is not None:
                     return outcome.result
+                verdict = outcome.verdict
+                if verdict is not None and verdict.decision is policy.Decision.RERUN and verdict.world_size:
+                    payload = _shrunk(payload, verdict.world_size, job.run.world_size, monitor)
+                    continue
                 decision = policy.after_job(
                     stopped=outcome.verdict is not None,
                     attempts_used=monitor.attempts_seen(),
@@ -69,7 +88,9 @@ class SparkLauncher(Launcher):
                 if decision is not policy.Decision.RERUN:
                     raise _failure(monitor, outcome, job.max_attempts)
 
-    def _run_job(self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig) -> _Outcome:
+    def _run_job(
+        self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig, watch: _SlotWatch
+    ) -> _Outcome:
         from pyspark import InheritableThread
 
         session = self.session
@@ -101,14 +122,17 @@ class SparkLauncher(Launcher):
         thread = InheritableThread(target=job, name=f"sparkdl-job-{group}", daemon=True)
         thread.start()
         try:
-            with monitor.cond:
-                while not done.is_set():
-                    verdict = monitor.check(started)
-                    if verdict.decision is policy.Decision.STOP:
+            while not done.is_set():
+                # Spark is asked outside the lock, which the channel's handlers need.
+                slots = watch.poll(group, n, waiting=monitor.awaiting_gang())
+                with monitor.cond:
+                    verdict = monitor.check(started, slots)
+                    if verdict.decision is not policy.Decision.WAIT:
                         outcome.verdict = verdict
                         monitor.stopping = verdict.reason
                         break
-                    monitor.cond.wait(timeout=0.25)
+                    if not done.is_set():
+                        monitor.cond.wait(timeout=_POLL_S)
         except BaseException:
             # Ctrl-C in a notebook or console: stop the gang before giving control back.
             monitor.stopping = "the driver was interrupted"
@@ -122,6 +146,49 @@ class SparkLauncher(Launcher):
         else:
             thread.join()
         return outcome
+
+
+class _SlotWatch:
+    """The free task slots while a gang waits to be scheduled after a failure, and since when
+    they have been too few: Spark itself would wait for them without end (a barrier stage
+    resubmitted after a failure launches only once all its slots are free at once)."""
+
+    def __init__(self, sc: Any) -> None:
+        self._sc = sc
+        self._gang: tuple[str, int] | None = None
+        self._short: policy.Slots | None = None
+        self._polled = 0.0
+
+    def poll(self, group: str, needed: int, *, waiting: bool) -> policy.Slots | None:
+        """The slots when too few for ``needed`` ranks; ``waiting``: a gang waits after a failure."""
+        now = time.monotonic()
+        if not waiting:
+            self._short = None
+            return None
+        if (group, needed) != self._gang:
+            # Another Spark job, or a gang of another size: its slots are counted afresh.
+            self._gang, self._short, self._polled = (group, needed), None, 0.0
+        if now - self._polled < _POLL_S:
+            return self._short
+        self._polled = now
+        free = free_slots(self._sc, group)
+        if free is None or free >= needed:
+            self._short = None
+        else:
+            since = self._short.short_since if self._short is not None else now
+            self._short = policy.Slots(needed, free, short_since=since)
+        return self._short
+
+
+def _shrunk(payload: TaskPayload, world_size: int, num_workers: int, monitor: Monitor) -> TaskPayload:
+    """The payload of a Spark job that runs the next attempt on ``world_size`` ranks."""
+    cfg = payload.run.config
+    log.warning(
+        "sparkdl: attempt %d runs on %d ranks instead of num_workers=%d, RunConfig.min_workers=%s",
+        monitor.attempts_seen(), world_size, num_workers, cfg.min_workers,
+    )
+    monitor.resize(world_size)
+    return dataclasses.replace(payload, run=dataclasses.replace(payload.run, world_size=world_size))
 
 
 def _collect_chunks(df: Any) -> list[tuple[int, bytes]]:
@@ -145,6 +212,8 @@ def _failure(monitor: Monitor, outcome: _Outcome, max_attempts: int) -> SparkDLE
     records = monitor.sorted_records()
     spark_error = _spark_error_text(outcome.error)
     verdict = outcome.verdict
+    if verdict is not None and verdict.slots is not None:
+        return _unschedulable(records, verdict.slots, verdict.reason or "", monitor.attempts_seen())
     timed_out = verdict is not None and verdict.timed_out
     stop_reason = verdict.reason if verdict is not None else None
     if not records:
@@ -177,3 +246,13 @@ def _failure(monitor: Monitor, outcome: _Outcome, max_attempts: int) -> SparkDLE
     )
     report, root = build_report(records, headline=headline, hint=hint)
     return RunFailedError(report, attempts=attempts, root_cause=root)
+
+
+def _unschedulable(records: list[RankRecord], slots: policy.Slots, reason: str, attempts: int) -> SparkDLError:
+    headline = f"sparkdl.run stopped after attempt {attempts - 1} failed: {reason}."
+    hint = (
+        "Add executors (or free the slots other jobs hold), lower RunConfig.min_workers, or raise "
+        "RunConfig.slot_wait_s if lost executors take longer to be replaced."
+    )
+    report, _ = build_report(records, headline=headline, hint=hint)
+    return InsufficientSlotsError(report, required=slots.needed, available=slots.free)

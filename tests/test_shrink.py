@@ -1,0 +1,228 @@
+"""``RunConfig(min_workers=M)``: a gang whose executor is gone for good goes on with fewer ranks.
+
+The Spark tests run on a fresh ``local-cluster[2,1,1024]`` each: the test itself asks Spark to
+kill the executor of rank 1 with ``SparkContext.killExecutor``, which also lowers the number of
+executors the application wants, so the cluster manager does not replace it (killing the JVM
+alone makes the local cluster's Master start a new one). Attempt 0 saves a checkpoint first; the
+next attempt must resume from it. The policy part is tested as a pure function.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+import sparkdl
+from sparkdl.config import RunConfig
+from sparkdl.driver.policy import AttemptView, Decision, Slots, Snapshot, judge, reschedule
+from sparkdl.driver.report import RankRecord
+from sparkdl.wire.messages import RankState
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MASTER = "local-cluster[2,1,1024]"
+
+
+# ---- the policy, without processes --------------------------------------------------------
+
+
+def _waiting(slots: Slots | None, now: float = 50.0) -> Snapshot:
+    lost = tuple(RankRecord(attempt=0, rank=r, state=RankState.LOST, failed_at=10.0) for r in range(4))
+    return Snapshot(now=now, job_started=0.0, last_trouble=10.0, running_since=None, waiting_tasks=0,
+                    num_workers=4, max_attempts=4, attempts=(AttemptView(0, lost, judged=True),), slots=slots)
+
+
+@pytest.mark.parametrize(
+    ("min_workers", "free", "since", "decision", "world_size"),
+    [
+        (2, 3, 48.0, Decision.WAIT, None),  # short for 2 s of slot_wait_s=5: a replacement may come
+        (2, 3, 40.0, Decision.RERUN, 3),  # short for longer: go on with the free slots
+        (3, 3, 40.0, Decision.RERUN, 3),
+        (4, 3, 40.0, Decision.STOP, None),  # fewer than min_workers
+        (1, 0, 40.0, Decision.STOP, None),
+    ],
+)
+def test_a_gang_short_of_slots_waits_then_shrinks_or_stops(
+    min_workers: int, free: int, since: float, decision: Decision, world_size: int | None
+) -> None:
+    cfg = RunConfig(min_workers=min_workers, slot_wait_s=5, start_timeout_s=30)
+    verdict = judge(_waiting(Slots(needed=4, free=free, short_since=since)), cfg)
+    assert verdict.decision is decision
+    assert verdict.world_size == world_size
+    if decision is Decision.STOP:
+        assert verdict.slots == Slots(4, free, since) and not verdict.timed_out
+        assert verdict.reason is not None
+        assert f"could not be rescheduled: it needs 4 task slots and only {free} are free" in verdict.reason
+        assert f"RunConfig.min_workers={min_workers}" in verdict.reason and "slot_wait_s=5" in verdict.reason
+
+
+def test_without_min_workers_the_gang_waits_until_start_timeout_and_says_slots_are_missing() -> None:
+    cfg = RunConfig(slot_wait_s=5, start_timeout_s=30)
+    slots = Slots(needed=4, free=1, short_since=11.0)
+    assert reschedule(_waiting(slots), cfg) is None
+    assert judge(_waiting(slots, now=35.0), cfg).decision is Decision.WAIT
+    verdict = judge(_waiting(slots, now=45.0), cfg)
+    assert verdict.decision is Decision.STOP and verdict.timed_out
+    assert verdict.reason is not None and "needs 4 task slots and only 1 are free" in verdict.reason
+    assert "RunConfig.min_workers" in verdict.reason
+
+
+def test_enough_slots_never_shrink() -> None:
+    cfg = RunConfig(min_workers=1, slot_wait_s=5)
+    assert reschedule(_waiting(None), cfg) is None
+    assert reschedule(_waiting(Slots(needed=4, free=4, short_since=0.0)), cfg) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_min_workers_must_be_a_positive_integer(bad: Any) -> None:
+    with pytest.raises(sparkdl.ConfigError, match=r"RunConfig\.min_workers must be an integer >= 1"):
+        RunConfig(min_workers=bad)
+
+
+def test_min_workers_above_num_workers_is_refused_before_any_spark_work() -> None:
+    with pytest.raises(sparkdl.ConfigError, match=r"RunConfig\.min_workers=3 is more than num_workers=2"):
+        sparkdl.run(print, num_workers=2, config=RunConfig(min_workers=3))
+
+
+# ---- real Spark: an executor lost for good ------------------------------------------------
+
+
+def steps(marker: str) -> dict[str, Any]:
+    """Attempt 0 checkpoints step 5 and waits to be killed; a later attempt resumes from it."""
+    import torch.distributed as dist
+
+    ctx = sparkdl.context()
+    state = ctx.load_checkpoint() or {"step": 0}
+    if ctx.attempt == 0:
+        ctx.save_checkpoint({"step": 5})
+        dist.barrier()  # the checkpoint is complete before the executor goes
+        if ctx.rank == 1:
+            import psutil
+
+            task = psutil.Process(int(os.environ["SPARKDL_TASK_PID"]))
+            executor = next(p for p in task.parents() if p.name().startswith("java")).cmdline()
+            Path(marker + ".tmp").write_text(executor[executor.index("--executor-id") + 1])
+            os.rename(marker + ".tmp", marker)
+        time.sleep(600)
+    return {
+        "attempt": ctx.attempt,
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "env": (os.environ["RANK"], os.environ["WORLD_SIZE"]),
+        "resumed_from": state["step"],
+        "run_id": ctx.run_id,
+    }
+
+
+class ExecutorKiller:
+    """Kills, through the driver, the executor whose id rank 1 writes to ``marker``; the kill
+    lowers the application's executor target, so no new executor replaces it."""
+
+    def __init__(self, sc: Any, marker: Path) -> None:
+        self.sc, self.marker = sc, marker
+        self.killed_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="executor-killer", daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            if self.marker.exists():
+                executor_id = self.marker.read_text()
+                assert self.sc._jsc.sc().killExecutor(executor_id)
+                self.killed_at = time.monotonic()
+                return
+
+    def __enter__(self) -> ExecutorKiller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive()
+
+
+@pytest.fixture
+def fresh_cluster(spark_session) -> Iterator[Any]:  # type: ignore[no-untyped-def]
+    """A local-cluster of its own (a test kills one of its executors for good), with both
+    executors registered. The next test that asks for a session stops it."""
+    from sparkdl.driver.cluster import task_slots
+
+    session = spark_session(MASTER, {"spark.executor.memory": "512m", "spark.sparkdl.test.shrink": secrets.token_hex(4)})
+    deadline = time.monotonic() + 120
+    while task_slots(session.sparkContext) != 2:
+        assert time.monotonic() < deadline, "the local cluster's two executors did not register in 120 s"
+        time.sleep(0.2)
+    yield session
+
+
+CFG = RunConfig(slot_wait_s=5, start_timeout_s=60, connect_timeout_s=30, kill_grace_s=30, progress=False)
+
+
+@pytest.mark.spark
+@pytest.mark.cluster
+@pytest.mark.fault
+def test_an_executor_lost_for_good_shrinks_the_gang_and_the_run_resumes(
+    fresh_cluster, no_leaks, tmp_path, caplog  # type: ignore[no-untyped-def]
+) -> None:
+    marker = tmp_path / "executor-of-rank-1"
+    caplog.set_level(logging.WARNING, logger="sparkdl.driver.spark")
+    with ExecutorKiller(fresh_cluster.sparkContext, marker) as killer:
+        result = sparkdl.launch(steps, str(marker), num_workers=2, max_attempts=3,
+                                config=CFG.replace(min_workers=1), checkpoint_dir=str(tmp_path / "ckpt"))
+    assert killer.killed_at is not None
+    print(f"shrunk run finished {time.monotonic() - killer.killed_at:.1f} s after the executor was killed")
+    assert result.world_sizes == [2, 1] and result.attempts == 2
+    # Rank 0 of attempt 1 ran alone, was told so, and resumed from attempt 0's checkpoint.
+    assert result.value == {"attempt": 1, "rank": 0, "world_size": 1, "env": ("0", "1"),
+                            "resumed_from": 5, "run_id": result.run_id}
+    assert "sparkdl: attempt 1 runs on 1 ranks instead of num_workers=2, RunConfig.min_workers=1" in caplog.text
+
+
+@pytest.mark.spark
+@pytest.mark.cluster
+@pytest.mark.fault
+def test_without_min_workers_a_lost_executor_fails_the_run_naming_the_missing_slots(
+    fresh_cluster, no_leaks, tmp_path  # type: ignore[no-untyped-def]
+) -> None:
+    marker = tmp_path / "executor-of-rank-1"
+    cfg = CFG.replace(start_timeout_s=20)
+    with ExecutorKiller(fresh_cluster.sparkContext, marker) as killer, pytest.raises(sparkdl.RunTimeoutError) as info:
+        sparkdl.launch(steps, str(marker), num_workers=2, max_attempts=3, config=cfg,
+                       checkpoint_dir=str(tmp_path / "ckpt"))
+    assert killer.killed_at is not None
+    waited = time.monotonic() - killer.killed_at
+    message = str(info.value)
+    assert "the gang needs 2 task slots and only 1 are free" in message, message
+    assert "start_timeout_s=20" in message and "RunConfig.min_workers" in message
+    assert info.value.attempts == 1
+    assert waited < 20 + 30, waited  # start_timeout_s, plus kill_grace_s at most
+
+
+@pytest.mark.spark
+@pytest.mark.cluster
+@pytest.mark.fault
+def test_with_too_few_slots_for_min_workers_the_run_fails_naming_both_settings(
+    fresh_cluster, no_leaks, tmp_path  # type: ignore[no-untyped-def]
+) -> None:
+    marker = tmp_path / "executor-of-rank-1"
+    with ExecutorKiller(fresh_cluster.sparkContext, marker) as killer, \
+            pytest.raises(sparkdl.InsufficientSlotsError) as info:
+        sparkdl.launch(steps, str(marker), num_workers=2, max_attempts=3, config=CFG.replace(min_workers=2),
+                       checkpoint_dir=str(tmp_path / "ckpt"))
+    assert killer.killed_at is not None
+    message = str(info.value)
+    assert "the gang could not be rescheduled: it needs 2 task slots and only 1 are free" in message, message
+    assert "slot_wait_s=5" in message and "RunConfig.min_workers=2" in message
+    assert (info.value.required, info.value.available) == (2, 1)
+    assert time.monotonic() - killer.killed_at < 5 + 30 + 10
