@@ -106,14 +106,7 @@ def steps(marker: str) -> dict[str, Any]:
     if ctx.attempt == 0:
         ctx.save_checkpoint({"step": 5})
         dist.barrier()  # the checkpoint is complete before the executor goes
-        if ctx.rank == 1:
-            import psutil
-
-            task = psutil.Process(int(os.environ["SPARKDL_TASK_PID"]))
-            executor = next(p for p in task.parents() if p.name().startswith("java")).cmdline()
-            Path(marker + ".tmp").write_text(executor[executor.index("--executor-id") + 1])
-            os.rename(marker + ".tmp", marker)
-        time.sleep(600)
+        lose_rank_1s_executor(marker)
     return {
         "attempt": ctx.attempt,
         "rank": ctx.rank,
@@ -122,6 +115,18 @@ def steps(marker: str) -> dict[str, Any]:
         "resumed_from": state["step"],
         "run_id": ctx.run_id,
     }
+
+
+def lose_rank_1s_executor(marker: str) -> None:
+    """Rank 1 names its executor in ``marker`` for the test to kill; every rank waits for its end."""
+    if sparkdl.context().rank == 1:
+        import psutil
+
+        task = psutil.Process(int(os.environ["SPARKDL_TASK_PID"]))
+        executor = next(p for p in task.parents() if p.name().startswith("java")).cmdline()
+        Path(marker + ".tmp").write_text(executor[executor.index("--executor-id") + 1])
+        os.rename(marker + ".tmp", marker)
+    time.sleep(600)
 
 
 class ExecutorKiller:
@@ -226,3 +231,61 @@ def test_with_too_few_slots_for_min_workers_the_run_fails_naming_both_settings(
     assert "slot_wait_s=5" in message and "RunConfig.min_workers=2" in message
     assert (info.value.required, info.value.available) == (2, 1)
     assert time.monotonic() - killer.killed_at < 5 + 30 + 10
+
+
+def train_and_shrink(ds: sparkdl.Dataset, marker: str, log: str) -> dict[str, Any]:
+    """DDP with ``TrainState``: attempt 0 checkpoints step 3 and loses rank 1's executor; the rest
+    of the epoch goes on with the ranks that are left, from the rows the old ranks had left."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = sparkdl.context()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = sparkdl.TrainState(model, opt, ds.loader(8, seed=1))
+    for batch in state.batches(epochs=2, save_every=3):
+        if ctx.attempt == 0 and state.global_step == 3:  # checkpoint 1 is saved: lose an executor
+            dist.barrier()
+            lose_rank_1s_executor(marker)
+        with open(f"{log}/ids-w{ctx.world_size}-r{ctx.rank}", "a") as f:
+            f.write(json.dumps([state.loader.epoch, batch["id"].tolist()]) + "\n")
+        loss = torch.nn.functional.mse_loss(model(batch["x"]).squeeze(1), batch["y"].float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"world_size": ctx.world_size, "restored_from": state.restored_from, "steps": state.global_step}
+
+
+@pytest.mark.spark
+@pytest.mark.cluster
+@pytest.mark.fault
+def test_a_shrunk_run_feeds_the_rest_of_the_epoch_once_on_the_ranks_left(
+    fresh_cluster, no_leaks, tmp_path  # type: ignore[no-untyped-def]
+) -> None:
+    import json
+
+    rows = [(i, [float(i % 7)] * 8, float(i % 5)) for i in range(96)]
+    df = fresh_cluster.createDataFrame(rows, "id long, x array<float>, y double")
+    ds = sparkdl.write_dataset(df, str(tmp_path / "data"), num_files=2)
+    marker, log = tmp_path / "executor-of-rank-1", tmp_path / "log"
+    log.mkdir()
+    with ExecutorKiller(fresh_cluster.sparkContext, marker):
+        result = sparkdl.launch(train_and_shrink, ds, str(marker), str(log), num_workers=2, max_attempts=3,
+                                config=CFG.replace(min_workers=1), checkpoint_dir=str(tmp_path / "ckpt"))
+    assert result.world_sizes == [2, 1]
+    assert result.value["world_size"] == 1 and result.value["restored_from"] == 1
+    fed: dict[int, dict[str, list[int]]] = {}
+    for path in log.iterdir():
+        for line in path.read_text().splitlines():
+            epoch, ids = json.loads(line)
+            fed.setdefault(epoch, {}).setdefault(path.name, []).extend(ids)
+    # Epoch 0: 3 batches on each of 2 ranks before the loss, the 48 rows they had left on the one rank after.
+    assert {k: len(v) for k, v in fed[0].items()} == {"ids-w2-r0": 24, "ids-w2-r1": 24, "ids-w1-r0": 48}
+    assert sorted(i for ids in fed[0].values() for i in ids) == list(range(96))
+    # Epoch 1 is one rank's from the start.
+    assert sorted(fed[1]["ids-w1-r0"]) == list(range(96)) and set(fed[1]) == {"ids-w1-r0"}
+    assert result.value["steps"] == 3 + 6 + 12
