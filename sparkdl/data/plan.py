@@ -106,14 +106,22 @@ def share_rows(total: int, world_size: int, batch_size: int, drop_last: bool) ->
     return _ceil_div(total, world_size)
 
 
-def pieces(rows: np.ndarray, order: np.ndarray, start: int, count: int) -> list[tuple[int, int, int]]:
+def stream_bounds(rows: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Where each row group of ``order`` starts in the stream, and (last) the stream's length."""
+    return np.concatenate([[0], np.cumsum(rows[order])])
+
+
+def pieces(rows: np.ndarray, order: np.ndarray, start: int, count: int,
+           bounds: np.ndarray | None = None) -> list[tuple[int, int, int]]:
     """``(row group, start, stop)`` pieces covering stream positions ``[start, start + count)``.
 
     The stream is the row groups in ``order``, concatenated; positions past its end wrap to its
-    start (the ``drop_last=False`` padding).
+    start (the ``drop_last=False`` padding). ``bounds``: :func:`stream_bounds` of ``rows`` and
+    ``order``, for a caller that asks for many ranges of one stream.
     """
-    total = int(rows.sum())
-    bounds = np.concatenate([[0], np.cumsum(rows[order])])
+    if bounds is None:
+        bounds = stream_bounds(rows, order)
+    total = int(bounds[-1])
     out: list[tuple[int, int, int]] = []
     pos, end = start, start + count
     while pos < end:

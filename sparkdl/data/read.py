@@ -89,12 +89,7 @@ def arrow_batches(
     def read(k: int) -> Window:
         lo, hi = k * unit, min((k + 1) * unit, per_rank)
         share = pieces(plan.rg_rows, order, base + lo, hi - lo)
-        builder = WindowBuilder(columns, hi - lo, location(files, plan, share), spare)
-        for g, a, z in share:
-            part = reader.row_group(g).slice(a, z - a)
-            builder.add({c.name: part.column(c.name).chunks for c in columns}, z - a)
-            del part
-        return builder.finish()
+        return read_window(reader, columns, share, WindowBuilder(columns, hi - lo, location(files, plan, share), spare))
 
     windows = read_in_turn(read, units, read_ahead=read_ahead)
     try:
@@ -111,6 +106,17 @@ def arrow_batches(
             del data, perm
     finally:
         windows.close()
+
+
+def read_window(reader: RowGroupReader, columns: Sequence[ColumnSpec], share: Sequence[tuple[int, int, int]],
+                builder: WindowBuilder) -> Window:
+    """The rows of the ``(row group, start, stop)`` pieces ``share``, in order, as one window:
+    one row group's Arrow data alive at a time."""
+    for g, a, z in share:
+        part = reader.row_group(g).slice(a, z - a)
+        builder.add({c.name: part.column(c.name).chunks for c in columns}, z - a)
+        del part
+    return builder.finish()
 
 
 def read_in_turn(read: Callable[[int], T], keys: Sequence[int], *, read_ahead: bool) -> Generator[T, None, None]:

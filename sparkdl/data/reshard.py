@@ -26,7 +26,7 @@ import numpy as np
 
 from sparkdl.data.files import ParquetFiles, RowGroupReader
 from sparkdl.data.petastorm import petastorm_batches
-from sparkdl.data.plan import EpochPlan, share_rows
+from sparkdl.data.plan import EpochPlan, pieces, share_rows, stream_bounds
 from sparkdl.data.read import (
     Batch,
     BatchMaker,
@@ -36,6 +36,7 @@ from sparkdl.data.read import (
     arrow_batches,
     location,
     read_in_turn,
+    read_window,
 )
 from sparkdl.errors import ConfigError
 
@@ -129,22 +130,19 @@ class Resume:
         plan, b, unit = self.plan, self.plan.batch_size, self.plan.unit
         wanted = self.positions()[start_step * b :]
         order = plan.row_group_order(self.epoch)
-        bounds = np.concatenate([[0], np.cumsum(plan.rg_rows[order])])
+        bounds = stream_bounds(plan.rg_rows, order)
         reader = RowGroupReader(files, plan.rg_file, plan.rg_index, plan.rg_rows, make.columns)
 
         def read(k: int) -> tuple[Window, np.ndarray]:
             part = wanted[k * unit : (k + 1) * unit]
             starts, stops = covering_ranges(part, unit)
             share = [piece for lo, hi in zip(starts.tolist(), stops.tolist(), strict=True)
-                     for piece in _pieces(bounds, order, lo, hi)]
-            builder = WindowBuilder(make.columns, int((stops - starts).sum()), location(files, plan, share))
-            for g, a, z in share:
-                table = reader.row_group(g).slice(a, z - a)
-                builder.add({c.name: table.column(c.name).chunks for c in make.columns}, z - a)
-                del table
+                     for piece in pieces(plan.rg_rows, order, lo, hi - lo, bounds)]
+            window = read_window(reader, make.columns, share,
+                                 WindowBuilder(make.columns, int((stops - starts).sum()), location(files, plan, share)))
             offsets = np.cumsum(stops - starts) - (stops - starts)
             j = np.searchsorted(starts, part, side="right") - 1
-            return builder.finish(), offsets[j] + part - starts[j]
+            return window, offsets[j] + part - starts[j]
 
         units = range(-(-len(wanted) // unit))
         windows = read_in_turn(read, units, read_ahead=read_ahead)
@@ -260,15 +258,3 @@ def _levels(saved: object) -> tuple[Level, ...]:
 
 def _int(value: object) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _pieces(bounds: np.ndarray, order: np.ndarray, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
-    """``(row group, start, stop)`` pieces of stream positions ``[lo, hi)``; ``bounds`` are the
-    stream offsets of the row groups in ``order`` (no wrapping: positions are below the total)."""
-    k = int(np.searchsorted(bounds, lo, side="right")) - 1
-    while lo < hi:
-        start = int(bounds[k])
-        stop = min(int(bounds[k + 1]), hi)
-        if stop > lo:
-            yield int(order[k]), lo - start, stop - start
-        lo, k = max(lo, stop), k + 1
