@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
 
     def sharded_load() -> None:
         msd, osd = get_state_dict(net, opt)
-        seq = sharded.broadcast_seq(sharded_store.latest() if rank == 0 else None)
+        seq = sharded.latest(sharded_store)
         assert seq is not None
         ckpt = sharded.load(sharded_store, seq, {"model": msd, "optimizer": osd})
         set_state_dict(net, opt, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"])

@@ -123,7 +123,7 @@ class RunContext:
         if into is not None:
             if all_ranks:
                 raise ConfigError("load_checkpoint: pass into=... or all_ranks=True, not both")
-            seq = sharded_ckpt.broadcast_seq(store.latest() if self.rank == 0 else None)
+            seq = sharded_ckpt.latest(store)
             return None if seq is None else sharded_ckpt.load(store, seq, into, weights_only=weights_only)
         if all_ranks:
             store = CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep)

@@ -91,6 +91,11 @@ def broadcast_seq(seq: int | None) -> int | None:
     return None if value < 0 else value
 
 
+def latest(store: CheckpointStore) -> int | None:
+    """Rank 0's latest complete checkpoint of ``store``, on every rank: all load the same one."""
+    return broadcast_seq(store.latest() if _rank() == 0 else None)
+
+
 def _rank() -> int:
     import torch.distributed as dist
 

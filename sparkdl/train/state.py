@@ -12,7 +12,7 @@ from sparkdl._validate import int_at_least
 from sparkdl.errors import SparkDLError
 from sparkdl.rank.context import context
 from sparkdl.train import sharded as sharded_ckpt
-from sparkdl.train.sharded import all_gather_json, broadcast_seq
+from sparkdl.train.sharded import all_gather_json
 
 if TYPE_CHECKING:
     import torch
@@ -170,7 +170,7 @@ class TrainState:
         """
         ctx = context()
         store = ctx.checkpoints
-        seq = broadcast_seq(store.latest() if ctx.rank == 0 else None)
+        seq = sharded_ckpt.latest(store)
         if seq is None:
             return False
         if self.sharded:
