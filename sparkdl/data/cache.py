@@ -21,8 +21,9 @@ from sparkdl.data.dataset import Dataset, written
 from sparkdl.data.etl import check_not_empty, exists, finish_manifest, qualify, spark_write
 from sparkdl.data.manifest import MANIFEST_NAME, MANIFEST_VERSION
 from sparkdl.data.scan import path_info
-from sparkdl.errors import DatasetError
+from sparkdl.errors import ConfigError, DatasetError
 from sparkdl.private import user_dir
+from sparkdl.reach import Marker, probe_executors
 from sparkdl.storage import filesystem, normalize_url, redact
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 CACHE_DIR_CONF = "spark.sparkdl.cacheDir"
 
 
-def _cache_dir(spark: SparkSession) -> str:
+def cache_dir(spark: SparkSession) -> str:
+    """The URL of the dataset cache: ``spark.sparkdl.cacheDir``, else this user's private default."""
     configured = spark.conf.get(CACHE_DIR_CONF, None)
     if configured:
         return qualify(spark, configured)  # the user's choice: used as given
@@ -96,17 +98,12 @@ def write_cached(
     import pyarrow.fs as pafs
 
     spark = df.sparkSession
-    cache_url = _cache_dir(spark)
+    cache_url = cache_dir(spark)
     key = _cache_key(df, options)
     url = f"{cache_url}/{key}"
     fs, root = filesystem(url, None)
     cache_root = filesystem(cache_url, None)[1]
     manifest_path = posixpath.join(root, MANIFEST_NAME)
-    if path_info(fs, manifest_path, url).type == pafs.FileType.File:
-        cached = Dataset(url)
-        if cached.manifest.key == key:
-            return cached
-    check_not_empty(df)
     try:
         fs.create_dir(cache_root, recursive=True)
     except Exception as exc:
@@ -114,6 +111,12 @@ def write_cached(
             f"cannot create the cache directory {redact(cache_url)} ({type(exc).__name__}: {exc}); "
             f"set the Spark conf {CACHE_DIR_CONF} to a writable directory, or pass a path"
         ) from exc
+    _check_shared(spark, cache_url)
+    if path_info(fs, manifest_path, url).type == pafs.FileType.File:
+        cached = Dataset(url)
+        if cached.manifest.key == key:
+            return cached
+    check_not_empty(df)
     # Write beside the entry, then rename: a reader never sees a half-written entry.
     tmp_url = f"{cache_url}/.tmp-{key}-{uuid.uuid4().hex[:8]}"
     tmp_root = filesystem(tmp_url, None)[1]
@@ -129,3 +132,31 @@ def write_cached(
         if exists(fs, tmp_root, tmp_url):
             fs.delete_dir(tmp_root)
     return written(url, manifest)
+
+
+def _check_shared(spark: SparkSession, cache_url: str) -> None:
+    """ConfigError unless every executor host sees the cache directory the driver sees.
+
+    Executors write the entry and ranks read it: a directory on the driver's own disk would hold
+    nothing on other hosts. Local modes (one host) and non-local URLs are not probed.
+    """
+    try:
+        master = str(spark.sparkContext.master)
+    except Exception:  # Spark Connect: no SparkContext, nothing to probe with
+        return
+    if master.startswith("local") or not cache_url.startswith("file://"):
+        return
+    marker = Marker.plant(cache_url)
+    try:
+        missing = probe_executors(spark, marker)
+    finally:
+        marker.remove()
+    if missing:
+        hosts = "; ".join(f"{host}: {why}" for host, why in missing)
+        raise ConfigError(
+            f"write_dataset(path=None) writes to the cache directory {redact(cache_url)}, which the "
+            f"executors do not share with the driver (the driver wrote a marker there that these "
+            f"executor hosts do not see: {hosts}). Set the Spark conf {CACHE_DIR_CONF} to storage "
+            "that the driver and every executor reach (a shared mount, hdfs://, s3://...), or pass "
+            "write_dataset a path on such storage"
+        )

@@ -1,13 +1,17 @@
 """What the driver asks of the Spark cluster before a run: slots, GPUs, addresses, directories.
 
-Every function takes the ``SparkContext`` (or its conf) and reads; none starts a job.
+Every function takes the ``SparkContext`` (or its conf) and reads; none starts a job, except
+:func:`check_executor_python` on a cluster whose executors run pyspark's default ``python3``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -142,8 +146,12 @@ def run_dir(conf: Any, run_id: str) -> str:
     private directory, created 0700 and checked here (a ConfigError when it is a symlink,
     another user's, or writable by others). A runDir the user set is used as given.
     """
-    runs = conf.get(RUN_DIR_CONF, None) or str(user_dir("runs", setting=RUN_DIR_CONF))
-    return f"{runs.rstrip('/')}/{run_id}"
+    return f"{runs_root(conf).rstrip('/')}/{run_id}"
+
+
+def runs_root(conf: Any) -> str:
+    """Where runs get their directories: ``spark.sparkdl.runDir``, else this user's private default."""
+    return str(conf.get(RUN_DIR_CONF, None) or user_dir("runs", setting=RUN_DIR_CONF))
 
 
 def local_metrics_path(run_dir: str, run_id: str) -> Path:
@@ -172,3 +180,76 @@ def mlflow_enabled(conf: Any, cfg: RunConfig) -> bool:
             "not installed: pip install mlflow-skinny, or turn it off"
         ) from exc
     return True
+
+
+def _default_python(sc: Any) -> bool:
+    """Whether the session's Python workers run pyspark's default, ``python3`` from PATH: nobody set
+    PYSPARK_PYTHON (a notebook kernel of a venv, ``.venv/bin/python script.py``)."""
+    return "PYSPARK_PYTHON" not in os.environ and getattr(sc, "pythonExec", None) == "python3"
+
+
+@contextlib.contextmanager
+def executor_python(sc: Any) -> Iterator[None]:
+    """While a run builds its stages: the executors' Python is this interpreter (which has sparkdl,
+    torch and pyarrow) when the executors are on this machine (``local``, ``local-cluster``) and
+    nobody chose another; a Python someone chose is kept. Elsewhere nothing changes."""
+    if not (str(sc.master).startswith("local") and _default_python(sc)):
+        yield
+        return
+    chosen = sc.pythonExec
+    sc.pythonExec = sc.getConf().get("spark.pyspark.python", None) or sys.executable
+    try:
+        yield
+    finally:
+        sc.pythonExec = chosen
+
+
+def check_executor_python(sc: Any) -> None:
+    """On a cluster whose executors run pyspark's default ``python3``: a one-task job that imports
+    what a rank needs, so that a Python without them fails now with its own error and the setting
+    that fixes it, not after a barrier stage's reruns."""
+    if str(sc.master).startswith("local") or not _default_python(sc):
+        return
+
+    def imports(_: Any) -> Iterator[str]:
+        import importlib
+
+        for name in ("pyarrow", "torch", "sparkdl"):
+            importlib.import_module(name)
+        yield sys.executable
+
+    try:
+        sc.parallelize([0], 1).mapPartitions(imports).collect()
+    except Exception as exc:
+        raise ConfigError(
+            f"the executors run pyspark's default Python, {sc.pythonExec!r} from their PATH (neither "
+            f"PYSPARK_PYTHON nor spark.pyspark.python is set), and it cannot run sparkdl: "
+            f"{executor_error(exc) or type(exc).__name__}. Set spark.pyspark.python (spark-submit "
+            "--conf, or spark-defaults.conf) or PYSPARK_PYTHON (before the session starts) to an "
+            "interpreter that has sparkdl, torch and pyarrow on every executor host"
+        ) from None
+
+
+def executor_error(exc: BaseException | None) -> str | None:
+    """The Python exception an executor raised, as its last traceback line (``ModuleNotFoundError:
+    No module named 'pyarrow'``), from the Spark error that wraps it; None when there is none."""
+    text = str(exc) if exc is not None else ""
+    start = text.rfind("Traceback (most recent call last)")
+    if start < 0:
+        return None
+    for line in text[start:].splitlines()[1:]:
+        if line.strip() and not line.startswith((" ", "\t")):
+            return line.strip()
+    return None
+
+
+def executor_hosts(sc: Any) -> list[str]:
+    """The addresses of the hosts the session's executors run on (in local mode, the driver's)."""
+    try:
+        summaries = sc._jsc.sc().statusStore().executorList(True)
+        found = [summaries.apply(i) for i in range(summaries.size())]
+        pairs = [(str(e.id()), str(e.hostPort()).rsplit(":", 1)[0]) for e in found]
+    except Exception:
+        return []
+    executors = {host for ident, host in pairs if ident != "driver"}
+    return sorted(executors or {host for _, host in pairs})

@@ -9,6 +9,7 @@ rerun on the driver: a failure ends the run with the same report as ``sparkdl.ru
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -33,7 +34,7 @@ from sparkdl.private import user_dir
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
 from sparkdl.task.rankproc import RankProcess
 from sparkdl.task.spawn import read_error
-from sparkdl.wire.messages import Exited, Gang, Hello, LogLine, Metric, RankState, Started
+from sparkdl.wire.messages import Exited, Gang, Hello, LogLine, Metric, RankState, Stacks, Started
 
 _HOST = "127.0.0.1"
 # After the first failure, the other ranks get this long to record their own outcome.
@@ -86,6 +87,7 @@ class LocalLauncher(Launcher):
                 procs.append(proc)
                 proc.tell_gang(GangSpec.form(spec, attempt=0, hosts=hosts, master_port=listener.getsockname()[1]))
                 monitor.rank_event(0, rank, Started(proc.pid))
+                monitor.stack_source(0, rank, functools.partial(_ask_stacks, proc, monitor))
             listener.close()
             return _wait(procs, monitor, cfg, root)
         finally:
@@ -99,10 +101,22 @@ def _watch(proc: RankProcess, monitor: Monitor) -> None:
     code = proc.wait()
     if code != 0 and monitor.stopping is not None:
         return  # stopped by the driver after another rank failed: it stays "stopped while running"
-    error, tb = read_error(proc.workdir) if code != 0 else (None, None)
+    ended = time.time()
+    error, tb, at = read_error(proc.workdir) if code != 0 else (None, None, None)
     exit_signal = -code if code < 0 else None
     # Reported at exit, not when the loop notices: the root cause is the first rank to exit.
-    monitor.rank_event(0, proc.spec.rank, Exited(None if exit_signal else code, exit_signal, error, tb))
+    monitor.rank_event(0, proc.spec.rank, Exited(None if exit_signal else code, exit_signal, error, tb,
+                                                 (at or ended) if code != 0 else None))
+
+
+def _ask_stacks(proc: RankProcess, monitor: Monitor) -> bool:
+    """The driver-local side of a stacks request: the rank is signalled from a thread of its own."""
+
+    def dump() -> None:
+        monitor.stacks(0, proc.spec.rank, Stacks(proc.pid, proc.dump_stacks()))
+
+    threading.Thread(target=dump, name="sparkdl-stacks", daemon=True).start()
+    return True
 
 
 def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path) -> bytes:
@@ -124,6 +138,7 @@ def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path
     # One rank down means the others would wait on it: stop them, then report.
     time.sleep(_SETTLE_S)
     monitor.stopping = verdict.reason
+    monitor.collect_stacks()  # where the ranks still running are, for the report
     for proc in procs:
         proc.kill()
     for t in watchers:

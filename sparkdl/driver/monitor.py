@@ -5,24 +5,27 @@ channel (:meth:`Monitor.on_message`, :meth:`Monitor.on_close`), the driver-local
 calling the event methods directly. The monitor keeps each rank's :class:`RankRecord`, echoes
 output with a rank tag, keeps the tail for the failure report, hands metrics to the metrics log
 and the progress line, and turns its state into a :class:`~sparkdl.driver.policy.Snapshot` for
-the failure policy.
+the failure policy. It also gathers the stacks of running ranks for the report: at once from the
+peers of a rank that fails, and from every running rank before the driver stops an attempt.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.driver.report import RankRecord
 from sparkdl.train.store import CheckpointStore
-from sparkdl.wire.channel import FramedConnection, Message
+from sparkdl.wire.channel import ChannelError, FramedConnection, Message
 from sparkdl.wire.messages import (
+    DumpStacks,
     Exited,
     Gang,
     GoAhead,
@@ -30,9 +33,23 @@ from sparkdl.wire.messages import (
     LogLine,
     Metric,
     RankState,
+    Stacks,
     Started,
     decode,
 )
+
+# How long the driver waits for running ranks' stacks before it stops their attempt.
+STACKS_WAIT_S = 2.0
+_Ask = tuple[tuple[int, int], Callable[[], bool]]
+
+
+def _ask_over(conn: FramedConnection) -> bool:
+    """Asks a Spark task, over its channel, for its rank's stacks."""
+    try:
+        conn.send(DumpStacks().encode())
+        return True
+    except (OSError, ChannelError):
+        return False
 
 
 class Monitor:
@@ -57,6 +74,9 @@ class Monitor:
         self.records: dict[tuple[int, int], RankRecord] = {}
         self.stopping: str | None = None
         self.gave_up: str | None = None
+        # (rank, host, what it found) of the first task that did not see the driver's marker in
+        # the checkpoint directory: the run stops before training (sparkdl.reach).
+        self.unshared: tuple[int, str, str] | None = None
         self.succeeded = False
         self._hellos: dict[Hashable, Hello] = {}
         self._joined: dict[Hashable, tuple[int, int]] = {}
@@ -66,6 +86,10 @@ class Monitor:
         self._judged: set[int] = set()
         self._last_trouble = time.monotonic()
         self._running_since: float | None = None
+        # Stacks: how to ask each running rank for them, whom was asked (and when), replies due.
+        self._askers: dict[tuple[int, int], Callable[[], bool]] = {}
+        self._asked: dict[tuple[int, int], str] = {}
+        self._awaited: set[tuple[int, int]] = set()
 
     # ---- events ---------------------------------------------------------------------------
 
@@ -73,9 +97,11 @@ class Monitor:
         with self.cond:
             return len(self._gangs)
 
-    def hello(self, key: Hashable, msg: Hello) -> None:
+    def hello(self, key: Hashable, msg: Hello, rank: int = -1) -> None:
         with self.cond:
             self._hellos[key] = msg
+            if msg.unshared is not None and self.unshared is None:
+                self.unshared = (rank, msg.host, msg.unshared)
             self.cond.notify_all()
 
     def world_sizes(self) -> list[int]:
@@ -121,6 +147,7 @@ class Monitor:
             return GoAhead(True, attempt=attempt)
 
     def rank_event(self, attempt: int, rank: int, msg: Started | Exited) -> None:
+        asks: list[_Ask] = []
         with self.cond:
             rec = self.records[(attempt, rank)]
             if isinstance(msg, Started):
@@ -128,28 +155,37 @@ class Monitor:
                 rec.state = RankState.RUNNING
             else:
                 rec.exit_code, rec.signal = msg.code, msg.signal
+                self._awaited.discard((attempt, rank))
                 if msg.succeeded:
                     rec.state = RankState.SUCCEEDED
                 else:
                     rec.state = RankState.FAILED
                     rec.error, rec.traceback = msg.error, msg.traceback
                     rec.failed_at = time.monotonic()
+                    rec.failed_wall = msg.at
                     self._trouble()
+                    asks = self._ask_peers(attempt, rank, f"when rank {rank} failed")
             self.cond.notify_all()
+        self._send(asks)
 
     def closed(self, key: Hashable) -> None:
         """A task's connection ended: a rank that had not reported its end is lost."""
+        asks: list[_Ask] = []
         with self.cond:
             self._hellos.pop(key, None)
             joined = self._joined.pop(key, None)
             if joined is None:
                 return
+            self._askers.pop(joined, None)
+            self._awaited.discard(joined)
             rec = self.records[joined]
             if rec.state in (RankState.STARTING, RankState.RUNNING) and self.stopping is None:
                 rec.state = RankState.LOST
                 rec.failed_at = time.monotonic()
                 self._trouble()
+                asks = self._ask_peers(joined[0], joined[1], f"when rank {joined[1]} was lost")
             self.cond.notify_all()
+        self._send(asks)
 
     def _trouble(self) -> None:
         # A failure ends the attempt; the clock for the next gang to start runs from here.
@@ -185,12 +221,17 @@ class Monitor:
         """A frame from a Spark task (already authenticated): decoded, then handled."""
         env = decode(frame)
         msg = env.message
+        if isinstance(msg, Stacks):
+            self.stacks(env.attempt, env.rank, msg)
+            return
+        if isinstance(msg, Started):
+            self.stack_source(env.attempt, env.rank, functools.partial(_ask_over, conn))
         if isinstance(msg, LogLine):
             self.log(env.attempt, env.rank, msg)
         elif isinstance(msg, Metric):
             self.metric(env.attempt, env.rank, msg)
         elif isinstance(msg, Hello):
-            self.hello(id(conn), msg)
+            self.hello(id(conn), msg, env.rank)
         elif isinstance(msg, Gang):
             conn.send(self.join(id(conn), env.rank, msg).encode())
         else:
@@ -199,10 +240,76 @@ class Monitor:
     def on_close(self, conn: FramedConnection, reason: str | None) -> None:
         self.closed(id(conn))
 
+    # ---- stacks of running ranks ----------------------------------------------------------
+
+    def stack_source(self, attempt: int, rank: int, ask: Callable[[], bool]) -> None:
+        """How to ask a running rank for its stacks: ``ask()`` sends the request without waiting
+        and says whether it went; the reply comes to :meth:`stacks`."""
+        with self.cond:
+            self._askers[(attempt, rank)] = ask
+
+    def stacks(self, attempt: int, rank: int, msg: Stacks) -> None:
+        """A rank's stacks, in reply to a request; anything not asked for is dropped."""
+        with self.cond:
+            key = (attempt, rank)
+            if key not in self._awaited:
+                return
+            self._awaited.discard(key)
+            rec = self.records.get(key)
+            if rec is not None and msg.text:
+                rec.stack, rec.stack_when = msg.text, self._asked[key]
+            self.cond.notify_all()
+
+    def collect_stacks(self, wait_s: float = STACKS_WAIT_S, *, ask: bool = True) -> None:
+        """Before the driver stops an attempt: asks every running rank for its stacks (with
+        ``ask``), then waits at most ``wait_s`` for the replies due. Call without ``cond`` held."""
+        with self.cond:
+            running = [key for key, rec in self.records.items() if rec.state is RankState.RUNNING]
+            asks = self._ask(running, "when the run was stopped") if ask else []
+        self._send(asks)
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while self._awaited and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(left)
+
+    def _ask_peers(self, attempt: int, rank: int, when: str) -> list[_Ask]:
+        """A rank of ``attempt`` failed: its running peers are asked at once (with ``cond`` held),
+        before Spark ends their tasks to rerun the gang."""
+        peers = [
+            key for key, rec in self.records.items()
+            if key[0] == attempt and key[1] != rank and rec.state is RankState.RUNNING
+        ]
+        return self._ask(peers, when)
+
+    def _ask(self, keys: list[tuple[int, int]], when: str) -> list[_Ask]:
+        asks = []
+        for key in keys:
+            ask = self._askers.get(key)
+            if ask is not None and key not in self._asked:
+                self._asked[key] = when
+                self._awaited.add(key)
+                asks.append((key, ask))
+        return asks
+
+    def _send(self, asks: list[_Ask]) -> None:
+        # Outside the lock: a request is a send on another task's connection.
+        for key, ask in asks:
+            try:
+                sent = ask()
+            except Exception:
+                sent = False
+            if not sent:
+                with self.cond:
+                    self._awaited.discard(key)
+                    self.cond.notify_all()
+
     # ---- the policy -----------------------------------------------------------------------
 
     def check(self, job_started: float, slots: policy.Slots | None = None) -> policy.Verdict:
         """The policy's verdict now, given the free task slots (when short); call with ``cond`` held."""
+        if self.unshared is not None:
+            rank, host, _ = self.unshared
+            return policy.Verdict(policy.Decision.STOP, reason=f"rank {rank} on {host} does not share the checkpoint directory")
         for attempt in range(len(self._gangs)):
             if attempt not in self._start_seq:
                 self._start_seq[attempt] = self._latest_checkpoint()

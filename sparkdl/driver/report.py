@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from sparkdl.wire.messages import RankState
+
+# A rank's stacks in the report: the innermost frames of each thread, and at most so many lines.
+STACK_FRAMES = 12
+STACK_LINES = 80
+STACK_LINE_CHARS = 300
 
 
 @dataclass
@@ -27,8 +33,14 @@ class RankRecord:
     error: str | None = None
     traceback: str | None = None
     state: RankState = RankState.STARTING
+    # When the driver heard of the failure (its monotonic clock): the policy's timing runs on it.
     failed_at: float | None = None
     tail: list[str] = field(default_factory=list)
+    # When it failed by its own host's wall clock (time.time()), if the host said: the report's order.
+    failed_wall: float | None = None
+    # Its Python stacks (every thread, faulthandler's text), taken while it still ran, and when.
+    stack: str | None = None
+    stack_when: str | None = None
 
     def __post_init__(self) -> None:
         self.state = RankState(self.state)
@@ -63,11 +75,54 @@ class RankRecord:
 
 
 def root_cause(records: list[RankRecord]) -> RankRecord | None:
-    """The earliest failure as the driver saw it; later failures are usually its consequences."""
+    """The earliest failure; later failures are usually its consequences.
+
+    Earliest by the time it happened on its host (``failed_wall``), not by when the driver heard
+    of it: a rank's report can overtake another's on the way. Where the first failure the driver
+    heard of carries no host time (a lost task says nothing), the driver's order stands; the
+    failures with host times are compared by them only within the attempt of that first one.
+    """
     failed = [r for r in records if r.failed and r.failed_at is not None]
     if not failed:
         return None
-    return min(failed, key=lambda r: (r.failed_at, r.state is not RankState.FAILED, r.rank))
+    first = min(failed, key=lambda r: (r.failed_at, r.state is not RankState.FAILED, r.rank))
+    if first.failed_wall is None:
+        return first
+    timed = [r for r in failed if r.attempt == first.attempt and r.failed_wall is not None]
+    return min(timed, key=lambda r: (r.failed_wall, r.failed_at, r.rank))
+
+
+def wall_time(at: float) -> str:
+    """A host's ``time.time()`` as UTC, to the millisecond."""
+    seconds, ms = divmod(round(at * 1000), 1000)
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{ms:03d} UTC"
+
+
+def trim_stack(text: str, *, frames: int = STACK_FRAMES, max_lines: int = STACK_LINES) -> list[str]:
+    """faulthandler's dump, shortened for the report: the thread that took the signal (the main
+    one, as a rule) first, the innermost ``frames`` of each thread, at most ``max_lines`` lines."""
+    threads: list[list[str]] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if not line.startswith(" ") or not threads:
+            threads.append([])
+        threads[-1].append(line[:STACK_LINE_CHARS])
+    threads.sort(key=lambda lines: not lines[0].startswith("Current thread"))
+    out: list[str] = []
+    for lines in threads:
+        shown, kept = 0, [lines[0]]
+        for line in lines[1:]:
+            shown += line.lstrip().startswith("File ")
+            if shown > frames:
+                outer = sum(1 for rest in lines if rest.lstrip().startswith("File ")) - frames
+                kept.append(f"  ... {outer} outer frame(s) not shown")
+                break
+            kept.append(line)
+        out.extend(kept)
+    if len(out) > max_lines:
+        out = [*out[:max_lines], f"... {len(out) - max_lines} more line(s) not shown"]
+    return out
 
 
 def error_key(error: str) -> str:
@@ -102,10 +157,16 @@ def build_report(
             marker = "  <- first failure of this attempt" if rec is attempt_root else ""
             lines.append(f"  {rec.summary()}{marker}")
             key = error_key(rec.error or rec.outcome())
+            if rec.failed and rec.failed_wall is not None:
+                lines.append(f"    failed at {wall_time(rec.failed_wall)} (its host's clock)")
             if rec is attempt_root and rec.tail and key not in shown:
                 shown.add(key)
                 lines.append("    last output:")
                 lines.extend(f"    | {line}" for line in rec.tail)
+            if rec.stack:
+                pid = f" (pid {rec.pid})" if rec.pid else ""
+                lines.append(f"    stack of rank {rec.rank}{pid} {rec.stack_when or 'before it was stopped'}:")
+                lines.extend(f"    | {line}" for line in trim_stack(rec.stack))
     groups: dict[str, list[str]] = defaultdict(list)
     for rec in records:
         if rec.failed:

@@ -25,6 +25,7 @@ from sparkdl.driver.result import RunResult, log_to_mlflow
 from sparkdl.driver.spark import SparkLauncher
 from sparkdl.errors import ConfigError
 from sparkdl.rankspec import RunSpec
+from sparkdl.reach import Marker
 from sparkdl.session import resolve_session
 from sparkdl.train.store import CheckpointStore
 
@@ -167,6 +168,7 @@ def launch(
     conf = sc.getConf()
     gpu = cluster.resolve_gpu(conf, use_gpu)
     cluster.check_cluster(sc, num_workers, cfg)
+    cluster.check_executor_python(sc)
     attempts_allowed = cfg.max_attempts if cfg.max_attempts is not None else cluster.stage_attempts(conf)
 
     run_id = secrets.token_hex(6)
@@ -179,9 +181,15 @@ def launch(
     spec = RunSpec(run_id=run_id, world_size=num_workers, backend=backend, use_gpu=gpu,
                    checkpoint_url=store.url, config=cfg)
     value: Any = None
+    marker: Marker | None = None
     try:
-        value = SparkLauncher(session).run(Job(spec, fn_bytes, attempts_allowed), monitor)
+        # Every task reads this back before its rank starts: a checkpoint directory that only the
+        # driver's host has stops the run here, not after the checkpoints are lost (sparkdl.reach).
+        marker = Marker.plant(store.url)
+        value = SparkLauncher(session, checkpoints=marker).run(Job(spec, fn_bytes, attempts_allowed), monitor)
     finally:
+        if marker is not None:
+            marker.remove()
         metrics.close()
         progress.finish()
         result = RunResult(

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
-from sparkdl.driver.cluster import driver_bind_host, free_slots, is_local
+from sparkdl.driver.cluster import (
+    driver_bind_host,
+    executor_error,
+    executor_python,
+    free_slots,
+    is_local,
+)
 from sparkdl.driver.launcher import Job, Launcher
 from sparkdl.driver.monitor import Monitor
 from sparkdl.driver.report import RankRecord, build_report
@@ -35,6 +41,8 @@ from sparkdl.errors import (
     RunTimeoutError,
     SparkDLError,
 )
+from sparkdl.reach import Marker
+from sparkdl.storage import redact
 from sparkdl.task.main import TaskPayload, task_main
 from sparkdl.wire.channel import ChannelServer
 
@@ -57,18 +65,19 @@ class _Outcome:
 
 
 class SparkLauncher(Launcher):
-    def __init__(self, session: SparkSession) -> None:
+    def __init__(self, session: SparkSession, checkpoints: Marker | None = None) -> None:
         self.session = session
+        self.checkpoints = checkpoints
 
     def launch(self, job: Job, monitor: Monitor) -> bytes:
         cfg = job.run.config
         sc = self.session.sparkContext
         secret = secrets.token_bytes(32)
-        with ChannelServer(driver_bind_host(sc), secret, monitor.on_message, monitor.on_close,
+        with executor_python(sc), ChannelServer(driver_bind_host(sc), secret, monitor.on_message, monitor.on_close,
                            handshake_timeout_s=cfg.handshake_timeout_s) as server:
             # In local mode the ranks' listeners (TCPStore, gloo) are on loopback too.
             payload = TaskPayload(job.run, job.fn_bytes, secret.hex(), server.address[0], server.address[1],
-                                  rank_host="127.0.0.1" if is_local(sc) else None)
+                                  rank_host="127.0.0.1" if is_local(sc) else None, checkpoints=self.checkpoints)
             job_index = 0
             watch = _SlotWatch(sc)
             while True:
@@ -86,7 +95,7 @@ class SparkLauncher(Launcher):
                     max_attempts=job.max_attempts,
                 )
                 if decision is not policy.Decision.RERUN:
-                    raise _failure(monitor, outcome, job.max_attempts)
+                    raise _failure(monitor, outcome, job.max_attempts, python=sc.pythonExec)
 
     def _run_job(
         self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig, watch: _SlotWatch
@@ -140,11 +149,18 @@ class SparkLauncher(Launcher):
             done.wait(cfg.kill_grace_s)
             raise
         if outcome.verdict is not None:
-            sc.cancelJobGroup(group)
+            try:
+                # Where each running rank is, for the report, before their tasks are killed (bounded).
+                monitor.collect_stacks()
+            finally:
+                sc.cancelJobGroup(group)
             done.wait(cfg.kill_grace_s)
             outcome.result = None
         else:
             thread.join()
+            if outcome.result is None:
+                # The stacks the last failure asked for may still be on their way.
+                monitor.collect_stacks(ask=False)
         return outcome
 
 
@@ -208,7 +224,9 @@ def _spark_error_text(exc: BaseException | None) -> str | None:
     return match.group(0) if match else text
 
 
-def _failure(monitor: Monitor, outcome: _Outcome, max_attempts: int) -> SparkDLError:
+def _failure(monitor: Monitor, outcome: _Outcome, max_attempts: int, python: str = "?") -> SparkDLError:
+    if monitor.unshared is not None:
+        return _unshared(monitor.unshared, monitor.store.url if monitor.store else "?")
     records = monitor.sorted_records()
     spark_error = _spark_error_text(outcome.error)
     verdict = outcome.verdict
@@ -217,16 +235,19 @@ def _failure(monitor: Monitor, outcome: _Outcome, max_attempts: int) -> SparkDLE
     timed_out = verdict is not None and verdict.timed_out
     stop_reason = verdict.reason if verdict is not None else None
     if not records:
-        text = str(outcome.error)
-        if "No module named 'sparkdl'" in text:
+        # The executor's own Python error, not Spark's wrapper of it ("Exception thrown in awaitResult").
+        error = executor_error(outcome.error)
+        if error is not None and ("ModuleNotFoundError" in error or "ImportError" in error):
             return ConfigError(
-                "the executors' Python cannot import sparkdl: install sparkdl where the executors "
-                "run, or point spark.pyspark.python (PYSPARK_PYTHON) at an environment that has it"
+                f"the executors' Python ({python}) cannot run sparkdl: {error}. Install sparkdl, torch "
+                "and pyarrow where the executors run, or point spark.pyspark.python (PYSPARK_PYTHON) "
+                "at an interpreter that has them on every executor host"
             )
         if timed_out and stop_reason:
             return RunTimeoutError(f"sparkdl.run stopped: {stop_reason}", attempts=0, root_cause=stop_reason)
+        cause = f"the executor's Python raised {error} ({python})" if error else spark_error
         return RunFailedError(
-            f"sparkdl.run failed before any rank started: {spark_error}", attempts=0, root_cause=str(spark_error)
+            f"sparkdl.run failed before any rank started: {cause}", attempts=0, root_cause=str(error or spark_error)
         )
     attempts = monitor.attempts_seen()
     if timed_out and stop_reason:
@@ -256,3 +277,16 @@ def _unschedulable(records: list[RankRecord], slots: policy.Slots, reason: str, 
     )
     report, _ = build_report(records, headline=headline, hint=hint)
     return InsufficientSlotsError(report, required=slots.needed, available=slots.free)
+
+
+def _unshared(unshared: tuple[int, str, str], url: str) -> ConfigError:
+    rank, host, found = unshared
+    return ConfigError(
+        f"sparkdl.run stopped before training: the checkpoint directory {redact(url)} is not shared by the "
+        f"driver and the executors. The driver wrote a marker there, but the task of rank {rank} on {host} "
+        f"does not see it: {found}. Checkpoints written there would stay on each host's own disk, and a "
+        "rerun would resume from nothing. Pass checkpoint_dir= (TorchEstimator: checkpointDir) on storage "
+        "that the driver and every executor reach (a shared mount, hdfs://, s3://...), or set "
+        "spark.sparkdl.runDir to such storage: runs without checkpoint_dir keep their checkpoints under "
+        "it, and without it under the driver's temp dir, which only local modes share"
+    )

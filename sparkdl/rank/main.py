@@ -7,24 +7,51 @@ it started, so a rank never outlives the task that owns it. The rank is a child 
 stays below it, and ends when the rank ends.
 
 Files in WORKDIR: ``payload.pkl`` (cloudpickled fn, args, kwargs) written by the task;
-``result.pkl`` (rank 0's return value) and ``error.json`` (a failure) written here.
+``result.pkl`` (rank 0's return value), ``error.json`` (a failure, with the host's time of it) and
+``stacks.txt`` written here. The last exists once :data:`STACK_SIGNAL` makes this process append
+every thread's Python stack to it (:mod:`faulthandler`, which needs no GIL: a rank blocked inside
+a collective answers too); the task sends that signal when the driver asks before it stops a run.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
+from typing import IO
 
 from sparkdl import proctree, rankspec
 
+STACKS_FILE = "stacks.txt"
+# The function of the lifeline thread: stack reports leave that thread out.
+LIFELINE_FRAME = "sparkdl_lifeline"
+# A real-time signal, not SIGUSR1: libraries give that one meanings of their own (SLURM requeue).
+STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+_stacks_file: IO[bytes] | None = None
+
+
+def _enable_stack_dumps(workdir: Path) -> None:
+    """From now on :data:`STACK_SIGNAL` appends this process's stacks to ``stacks.txt``. The file
+    gets its name only once the handler is in place, so a task never signals a rank too early
+    (the signal's default action would end it)."""
+    global _stacks_file
+    tmp = workdir / (STACKS_FILE + ".tmp")
+    try:
+        _stacks_file = open(tmp, "ab", buffering=0)  # noqa: SIM115 (open for the life of the rank)
+        faulthandler.register(STACK_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
+        os.replace(tmp, workdir / STACKS_FILE)
+    except (OSError, RuntimeError, ValueError):
+        pass  # no stacks for the report; the rank runs as before
+
 
 def _watch_lifeline(fd: int) -> None:
-    def watch() -> None:
+    def sparkdl_lifeline() -> None:  # the name marks its thread, left out of stack reports
         try:
             while os.read(fd, 4096):
                 pass
@@ -37,7 +64,7 @@ def _watch_lifeline(fd: int) -> None:
         finally:
             os._exit(137)
 
-    threading.Thread(target=watch, name="sparkdl-lifeline", daemon=True).start()
+    threading.Thread(target=sparkdl_lifeline, name="sparkdl-lifeline", daemon=True).start()
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -54,11 +81,12 @@ def _format(exc: BaseException, *, skip_own_frame: bool) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _record_error(workdir: Path, exc: BaseException, where: str) -> None:
+def _record_error(workdir: Path, exc: BaseException, where: str, at: float | None = None) -> None:
     summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
     info = {
         "error": f"{where}: {summary}" if where else summary,
         "traceback": _format(exc, skip_own_frame=not where),
+        "at": at or time.time(),  # this host's clock: the report orders failures by it
     }
     _write_atomically(workdir / "error.json", json.dumps(info).encode())
 
@@ -108,6 +136,7 @@ def main(workdir: Path | None = None) -> int:
         return 2
     proctree.set_subreaper()
     _watch_lifeline(lifeline)
+    _enable_stack_dumps(workdir)
     try:
         return _run(workdir, control)
     finally:
@@ -159,8 +188,9 @@ def _run(workdir: Path, control: int) -> int:
             _write_atomically(workdir / "result.pkl", cloudpickle.dumps(None))
         return code
     except BaseException as exc:
+        failed_at = time.time()  # before a write to a full stderr pipe can delay it
         sys.stderr.write(_format(exc, skip_own_frame=not stage))
-        _record_error(workdir, exc, stage)
+        _record_error(workdir, exc, stage, failed_at)
         return 1
 
 

@@ -3,7 +3,8 @@
 Each task checks in with the driver over the authenticated channel, rendezvouses with its gang
 through ``BarrierTaskContext.allGather``, starts its rank in a process of its own
 (:class:`~sparkdl.task.rankproc.RankProcess`), relays that process's output to the driver line
-by line, and streams rank 0's return value back through Spark. Whatever happens, the rank
+by line, sends the rank's stacks when the driver asks (before it stops a run, or when a peer
+failed), and streams rank 0's return value back through Spark. Whatever happens, the rank
 process and everything it started end with the task.
 """
 
@@ -15,6 +16,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,17 +24,20 @@ from typing import Any
 
 from sparkdl import proctree
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
+from sparkdl.reach import Marker
 from sparkdl.task.net import host_of
-from sparkdl.task.rankproc import RankProcess
+from sparkdl.task.rankproc import STACK_DUMP_S, RankProcess
 from sparkdl.task.spawn import Zygote, read_error
 from sparkdl.wire.channel import ChannelError, FramedConnection, connect
 from sparkdl.wire.messages import (
+    DumpStacks,
     Exited,
     Gang,
     GoAhead,
     Hello,
     LogLine,
     Metric,
+    Stacks,
     Started,
     TaskMessage,
     encode,
@@ -54,6 +59,9 @@ class TaskPayload:
     # The address the ranks listen on (TCPStore, gloo): loopback in local mode, else None for the
     # task's own address as Spark gives it.
     rank_host: str | None = None
+    # The driver's marker in the checkpoint directory: every task must read it back before its
+    # rank starts (a directory on the driver's own disk is not where other hosts' ranks write).
+    checkpoints: Marker | None = None
 
 
 class RankFailed(RuntimeError):
@@ -112,6 +120,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"sparkdl-{run.run_id}-r{rank}-"))
     listener: socket.socket | None = None
     proc: RankProcess | None = None
+    orders: threading.Thread | None = None
     # A rank started as a fresh interpreter is this worker's child: what it orphans comes here.
     adopting = proctree.set_subreaper()
     try:
@@ -126,7 +135,10 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             fallback_out=sys.stdout, fallback_err=sys.stderr,
         )
         tid = ctx.taskAttemptId()
-        link.send(Hello(host, os.getpid(), tid))
+        unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
+        link.send(Hello(host, os.getpid(), tid, unshared))
+        if unshared is not None:
+            raise RankFailed(f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}")
         port = listener.getsockname()[1] if listener else None
         members = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port, "tid": tid}))]
         # PySpark tasks cannot see their stage attempt number; the driver numbers attempts by the
@@ -142,12 +154,14 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             # Only the rank 0 process holds the store's socket from here on.
             listener.close()
             listener = None
+        orders = _answer_driver(conn, link, proc, run.config.connect_timeout_s)
         link.send(Started(proc.pid))
         code = proc.wait()
         if code != 0:
-            error, tb = read_error(workdir)
+            ended = time.time()
+            error, tb, failed_at = read_error(workdir)
             exit_signal = -code if code < 0 else None
-            link.send(Exited(None if exit_signal else code, exit_signal, error, tb))
+            link.send(Exited(None if exit_signal else code, exit_signal, error, tb, failed_at or ended))
             how = f"was killed by signal {exit_signal}" if exit_signal else f"exited with code {code}"
             detail = f": {error}" if error else ""
             last = "\n".join(proc.tail)
@@ -164,7 +178,32 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         if listener is not None:
             listener.close()
         conn.close()
+        if orders is not None:
+            orders.join(timeout=STACK_DUMP_S + 0.5)  # closing the connection woke it
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, timeout_s: float) -> threading.Thread:
+    """Reads the driver's requests once the rank runs (:class:`DumpStacks`: reply with the rank's
+    stacks) until the connection closes. Its replies go through ``link``, whose lock orders them
+    with the relays' sends; the socket's timeout stays the one ``recv`` of GoAhead set."""
+
+    def serve() -> None:
+        while True:
+            try:
+                if not conn.readable(0.5):
+                    continue
+                frame = conn.recv(timeout=timeout_s)
+            except (OSError, ValueError, ChannelError):
+                return
+            if frame is None:
+                return
+            if DumpStacks.asked(frame):
+                link.send(Stacks(proc.pid, proc.dump_stacks()))
+
+    thread = threading.Thread(target=serve, name="sparkdl-driver-requests", daemon=True)
+    thread.start()
+    return thread
 
 
 def _assigned_gpus(ctx: Any, run: RunSpec, rank: int) -> list[str]:

@@ -6,25 +6,86 @@ cloudpickled function into the rank's workdir, starts the process (:func:`~spark
 with a lifeline, a control pipe and a metrics pipe, and copies its stdout, stderr and metrics,
 line by line, to a :class:`Sink`: the driver's channel in a Spark task, the driver's monitor
 itself on the driver. Once the gang is known, :meth:`RankProcess.tell_gang` sends it down the
-control pipe. Whatever happens, :meth:`RankProcess.close` ends the rank and everything it
-started.
+control pipe. :meth:`RankProcess.dump_stacks` has the running rank write every thread's Python
+stack (for the failure report) and goes on. Whatever happens, :meth:`RankProcess.close` ends the
+rank and everything it started.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import linecache
 import os
+import re
 import socket
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from sparkdl import proctree
+from sparkdl.rank.main import LIFELINE_FRAME, STACK_SIGNAL, STACKS_FILE
 from sparkdl.rankspec import GangSpec, RankSpec, gang_env, rank_env
 from sparkdl.task.net import iface_for
 from sparkdl.task.spawn import ProcessHandle, kill_group, start_rank
+
+# How long a rank has to write its stacks once signalled, and the most of them kept.
+STACK_DUMP_S = 1.0
+MAX_STACK_BYTES = 256 * 1024
+_DUMP_SETTLED_S = 0.1
+_FRAME = re.compile(r'\s*File "(?P<file>.+)", line (?P<line>\d+) in ')
+# The frame of sparkdl's rank process that calls the user's function: its callers are sparkdl's.
+_RUNNER = re.compile(r'\s*File ".*[/\\]sparkdl[/\\]rank[/\\]main\.py", line \d+ in _run$')
+
+
+def with_source(dump: str) -> str:
+    """faulthandler's dump as the report shows it, made here, on the rank's host, where its files
+    are: each frame's source line under it, as in a traceback; the frames of sparkdl's rank process
+    that called the user's function, and the thread of the rank's lifeline, left out."""
+    out: list[str] = []
+    thread_at, skipping = 0, False
+    for line in dump.splitlines():
+        if not line.startswith(" "):  # a thread's header (or the blank line that ends one)
+            thread_at, skipping = len(out), False
+        elif skipping:
+            continue
+        elif len(out) == thread_at + 1 and line.endswith(f" in {LIFELINE_FRAME}"):
+            del out[thread_at:]
+            skipping = True
+            continue
+        elif _RUNNER.match(line):
+            out.append("  (the frames of sparkdl that called the function are not shown)")
+            skipping = True
+            continue
+        out.append(line)
+        frame = _FRAME.match(line)
+        if frame is not None:
+            linecache.checkcache(frame["file"])
+            source = linecache.getline(frame["file"], int(frame["line"])).strip()
+            if source:
+                out.append(f"    {source}")
+    return "\n".join(out)
+
+
+def _read_dump(path: Path, start: int, timeout: float) -> str:
+    """What the rank appended to ``path`` past ``start``, once it stopped growing (or at ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    size, changed = start, time.monotonic()
+    try:
+        while (now := time.monotonic()) < deadline:
+            if size > start and now - changed >= _DUMP_SETTLED_S:
+                break
+            time.sleep(0.02)
+            grown = path.stat().st_size
+            if grown != size:
+                size, changed = grown, time.monotonic()
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(min(size - start, MAX_STACK_BYTES)).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 class Sink(Protocol):
@@ -98,6 +159,7 @@ class RankProcess:
         self._lifeline_w: int | None = None
         self._control_w: int | None = None
         self._relays: list[_Relay] = []
+        self._dump_lock = threading.Lock()
         (workdir / "payload.pkl").write_bytes(fn_bytes)
         env = {**os.environ, **rank_env(spec)}
         iface = iface_for(spec.host)
@@ -147,6 +209,22 @@ class RankProcess:
         for relay in self._relays:
             relay.thread.join(timeout=10)
         return code
+
+    def dump_stacks(self, timeout: float = STACK_DUMP_S) -> str | None:
+        """Every thread's Python stack of the running rank, innermost frame first, with source
+        lines; None when the rank has ended, cannot dump (not yet set up), or wrote nothing in
+        ``timeout`` s. The rank goes on running."""
+        path = self.workdir / STACKS_FILE
+        with self._dump_lock:
+            try:
+                start = path.stat().st_size  # no file yet: the rank has no handler for the signal
+                if self._proc.returncode is not None:  # reaped: the pid may be another's by now
+                    return None
+                os.kill(self.pid, STACK_SIGNAL)
+            except OSError:
+                return None
+            text = _read_dump(path, start, timeout)
+        return with_source(text) if text.strip() else None
 
     def kill(self) -> None:
         """SIGKILLs the rank and all below it: its group, and (the rank being a subreaper) the

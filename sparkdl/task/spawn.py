@@ -364,10 +364,12 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def read_error(workdir: Path) -> tuple[str | None, str | None]:
-    """The error and traceback a failed rank recorded in its workdir, if it could."""
+def read_error(workdir: Path) -> tuple[str | None, str | None, float | None]:
+    """The error, traceback and time (``time.time()`` of this host) a failed rank recorded in its
+    workdir, if it could."""
     try:
         info = json.loads((workdir / "error.json").read_text())
-        return info.get("error"), info.get("traceback")
-    except (OSError, ValueError):
-        return None, None
+        at = info.get("at")
+        return info.get("error"), info.get("traceback"), float(at) if isinstance(at, int | float) else None
+    except (OSError, ValueError, AttributeError):
+        return None, None, None

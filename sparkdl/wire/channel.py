@@ -136,6 +136,12 @@ class FramedConnection:
         except TimeoutError as exc:
             raise ChannelError(f"no message within {timeout} s") from exc
 
+    def readable(self, timeout: float) -> bool:
+        """Whether a frame or EOF waits within ``timeout`` s (the socket's timeout untouched)."""
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)  # ValueError once closed
+        return bool(poller.poll(math.ceil(timeout * 1000)))
+
     def _read(self, deadline: float | None, limit: int) -> Message | None:
         """One frame, authenticated then parsed; its length is checked before its payload is read."""
         header = _recv_exact(self._sock, _HEADER.size + TAG_BYTES, deadline)

@@ -2,9 +2,9 @@
 
 On the wire each message is one JSON object (sent by :mod:`sparkdl.wire.channel`, which
 authenticates every frame before it is parsed). A task's messages carry its rank (``r``) and
-attempt (``a``, -1 until the gang has formed) next to a kind (``t``); the driver's one reply,
-:class:`GoAhead`, has no kind. :func:`decode` turns a frame into a message and refuses anything
-malformed with :class:`~sparkdl.wire.channel.ChannelError`, so a bad frame ends its connection
+attempt (``a``, -1 until the gang has formed) next to a kind (``t``); the driver's reply,
+:class:`GoAhead`, has no kind, nor has its one later request, :class:`DumpStacks`.
+:func:`decode` turns a frame into a message and refuses anything malformed with :class:`~sparkdl.wire.channel.ChannelError`, so a bad frame ends its connection
 instead of a thread of the driver.
 """
 
@@ -46,9 +46,12 @@ class Hello:
     host: str
     task_pid: int
     tid: int
+    # What this task found instead of the driver's marker in the checkpoint directory (a directory
+    # not shared with the driver's host); None: it is shared. See sparkdl.reach.
+    unshared: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        return {"host": self.host, "task_pid": self.task_pid, "tid": self.tid}
+        return {"host": self.host, "task_pid": self.task_pid, "tid": self.tid, "unshared": self.unshared}
 
 
 @dataclass(frozen=True)
@@ -75,20 +78,26 @@ class Started:
 
 @dataclass(frozen=True)
 class Exited:
-    """The rank's process ended: an exit code or a signal, and the error it recorded, if any."""
+    """The rank's process ended: an exit code or a signal, and the error it recorded, if any.
+
+    ``at``: when it failed, by the wall clock of its host (``time.time()``): when the rank recorded
+    its error, else when its task saw it end. None on success.
+    """
 
     kind: ClassVar[str] = "exit"
     code: int | None
     signal: int | None
     error: str | None = None
     traceback: str | None = None
+    at: float | None = None
 
     @property
     def succeeded(self) -> bool:
         return self.code == 0 and self.signal is None
 
     def fields(self) -> dict[str, Any]:
-        return {"code": self.code, "signal": self.signal, "error": self.error, "traceback": self.traceback}
+        return {"code": self.code, "signal": self.signal, "error": self.error, "traceback": self.traceback,
+                "at": self.at}
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,33 @@ class Metric:
         return {"m": self.record}
 
 
-TaskMessage = Hello | Gang | Started | Exited | LogLine | Metric
+@dataclass(frozen=True)
+class Stacks:
+    """The rank's Python stacks (every thread, as :mod:`faulthandler` writes them), sent in reply to
+    :class:`DumpStacks`; ``text`` is None when the rank had ended or gave none in time."""
+
+    kind: ClassVar[str] = "stacks"
+    pid: int | None
+    text: str | None
+
+    def fields(self) -> dict[str, Any]:
+        return {"pid": self.pid, "text": self.text}
+
+
+TaskMessage = Hello | Gang | Started | Exited | LogLine | Metric | Stacks
+
+
+@dataclass(frozen=True)
+class DumpStacks:
+    """The driver's request to a running rank's task, before it stops the attempt: reply with
+    :class:`Stacks`."""
+
+    def encode(self) -> dict[str, Any]:
+        return {"do": "stacks"}
+
+    @staticmethod
+    def asked(frame: dict[str, Any] | None) -> bool:
+        return frame is not None and frame.get("do") == "stacks"
 
 
 @dataclass(frozen=True)
@@ -157,7 +192,8 @@ def decode(frame: dict[str, Any]) -> Envelope:
     rank, attempt = _int(frame, "r"), _int(frame, "a")
     message: TaskMessage
     if kind == "hello":
-        message = Hello(str(frame.get("host", "?")), _int(frame, "task_pid"), _int(frame, "tid"))
+        message = Hello(str(frame.get("host", "?")), _int(frame, "task_pid"), _int(frame, "tid"),
+                        _opt_str(frame, "unshared"))
     elif kind == "gang":
         tids = frame.get("tids")
         if not isinstance(tids, list):
@@ -167,7 +203,9 @@ def decode(frame: dict[str, Any]) -> Envelope:
         message = Started(_int(frame, "pid"))
     elif kind == "exit":
         message = Exited(_opt_int(frame, "code"), _opt_int(frame, "signal"), _opt_str(frame, "error"),
-                         _opt_str(frame, "traceback"))
+                         _opt_str(frame, "traceback"), _opt_float(frame, "at"))
+    elif kind == "stacks":
+        message = Stacks(_opt_int(frame, "pid"), _opt_str(frame, "text"))
     elif kind == "log":
         message = LogLine(str(frame.get("s", "o")), str(frame.get("l", "")), bool(frame.get("more")))
     elif kind == "metric":
@@ -193,6 +231,15 @@ def _int(frame: dict[str, Any], key: str) -> int:
 def _opt_int(frame: dict[str, Any], key: str) -> int | None:
     value = frame.get(key)
     return None if value is None else _as_int(value, key)
+
+
+def _opt_float(frame: dict[str, Any], key: str) -> float | None:
+    value = frame.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ChannelError(f"malformed message: {key!r} is not a number ({value!r})")
+    return float(value)
 
 
 def _opt_str(frame: dict[str, Any], key: str) -> str | None:

@@ -1,0 +1,91 @@
+"""Whether a directory is shared by the driver and every executor: a marker the driver writes there
+and every task must read back, with the same token, before it does anything with the directory.
+
+A cluster is several hosts, each with disks of its own: a default directory under the driver's
+temp dir exists on the driver's host only, and a task on another host that writes "there" writes
+on its own disk. Checkpoints written that way are lost to every other host: a rerun would start
+from nothing. So a run's checkpoint directory, and the dataset cache that executors write, are
+checked before training, on every host that takes part, at the cost of one small file.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdl.storage import filesystem, redact
+
+PREFIX = ".sparkdl-reach-"
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A file ``<url>/.sparkdl-reach-<id>`` holding ``token``; plain and picklable."""
+
+    url: str
+    token: str = field(repr=False)
+
+    @property
+    def path(self) -> str:
+        return posixpath.join(filesystem(self.url)[1], PREFIX + self.token[:16])
+
+    @classmethod
+    def plant(cls, url: str) -> Marker:
+        """Creates ``url`` when missing and writes a fresh marker into it (on the driver)."""
+        marker = cls(url, secrets.token_hex(24))
+        fs, root = filesystem(url)
+        fs.create_dir(root, recursive=True)
+        with fs.open_output_stream(marker.path) as out:
+            out.write(marker.token.encode())
+        return marker
+
+    def missing(self) -> str | None:
+        """None when this host reads the marker back; else what it found instead."""
+        try:
+            fs, _ = filesystem(self.url)
+            with fs.open_input_stream(self.path) as f:
+                found = f.read(200).decode(errors="replace")
+        except FileNotFoundError:
+            return f"{redact(self.url)} has no file {PREFIX}{self.token[:16]} there"
+        except Exception as exc:
+            return f"reading {redact(self.url)} failed: {type(exc).__name__}: {exc}"
+        if found != self.token:
+            return f"{redact(self.url)} holds another run's marker: this is another directory of the same name"
+        return None
+
+    def remove(self) -> None:
+        """Deletes the marker; a directory that is gone already is fine."""
+        try:
+            fs, _ = filesystem(self.url)
+            fs.delete_file(self.path)
+        except Exception:
+            pass
+
+
+def host_name() -> str:
+    """This host as Spark names it: its SPARK_LOCAL_IP when set, else its host name."""
+    return os.environ.get("SPARK_LOCAL_IP") or socket.gethostname()
+
+
+def probe_executors(spark: Any, marker: Marker) -> list[tuple[str, str]]:
+    """``(host, what is missing)`` for each executor host of ``spark`` that does not see ``marker``.
+
+    A Spark job of two tasks per task slot (the default parallelism) reads it back, which Spark
+    spreads over the executors; an empty list when all see it, or when the session cannot run
+    such a job (Spark Connect).
+    """
+    try:
+        sc = spark.sparkContext
+        n = 2 * max(1, int(sc.defaultParallelism))
+    except Exception:
+        return []
+
+    def probe(_: Any) -> list[tuple[str, str | None]]:
+        return [(host_name(), marker.missing())]
+
+    seen = sc.parallelize(range(n), n).mapPartitions(probe).collect()
+    return sorted({(host, why) for host, why in seen if why is not None})
