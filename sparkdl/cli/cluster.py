@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl.cli.probe import probe_executors
 from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
+from sparkdl.data.cache import CACHE_DIR_CONF, cache_dir
+from sparkdl.driver.cluster import RUN_DIR_CONF, executor_error, executor_hosts, runs_root
+from sparkdl.reach import Marker
+from sparkdl.storage import normalize_url, redact
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -77,20 +81,28 @@ def check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | N
         report.add("task slots", OK, executors=slots_text)
 
     partitions = max(total or 1, 1) * 2
+    dirs = _plant_markers(spark, conf)
     try:
-        rows = probe_executors(spark, partitions, timeout_s)
+        rows = probe_executors(spark, partitions, timeout_s,
+                               {name: (m.url, m.path, m.token) for name, (m, _) in dirs.items()})
     except TimeoutError as exc:
         report.add("executor python", ERROR, problem=str(exc),
                    fix="the cluster is busy or its executors cannot start Python; see the executor logs")
         return
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        first = executor_error(exc) or (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         report.add("executor python", ERROR, problem=f"a probe task failed: {first}",
                    fix="set spark.pyspark.python (or PYSPARK_PYTHON on the workers) to a Python with pyspark, "
                    "torch and sparkdl installed")
         return
+    finally:
+        for marker, _ in dirs.values():
+            marker.remove()
     envs = {r["executor"]: r for r in rows}
-    report.add("executors", OK, executors=f"{len(envs)} reached ({len({r['host'] for r in rows})} host(s))")
+    hosts = executor_hosts(sc)
+    report.add("executors", OK, executors=f"{len(envs)} reached on {len(hosts) or len({r['host'] for r in rows})} "
+               f"host(s)" + (f": {', '.join(hosts)}" if hosts else ""))
+    _check_shared(report, rows, dirs, local)
     _compare(report, driver, list(envs.values()))
     _check_executor_gpus(report, conf, list(envs.values()), driver_gpus)
 
@@ -139,3 +151,33 @@ def _check_executor_gpus(report: Report, conf: Any, envs: list[dict[str, Any]], 
                    fix="install a CUDA build of torch on the executors, and check the NVIDIA driver there")
     else:
         report.add("gpu scheduling", OK, executors=f"GPU per task: {amount}; assigned on {len(envs)}/{len(envs)}")
+
+
+def _plant_markers(spark: SparkSession, conf: Any) -> dict[str, tuple[Marker, str]]:
+    """A marker in the run and the cache directory (name: (marker, the setting that moves it));
+    a directory the driver cannot write gets no marker (its row says so)."""
+    planted = {}
+    for name, url, setting in (("run directory", normalize_url(runs_root(conf)), RUN_DIR_CONF),
+                               ("cache directory", cache_dir(spark), CACHE_DIR_CONF)):
+        try:
+            planted[name] = (Marker.plant(url), setting)
+        except Exception:
+            continue
+    return planted
+
+
+def _check_shared(report: Report, rows: list[dict[str, Any]], dirs: dict[str, tuple[Marker, str]], local: bool) -> None:
+    """A row per directory: whether every executor host sees what the driver wrote there."""
+    for name, (marker, setting) in dirs.items():
+        where = redact(marker.url)
+        blind = sorted({str(r.get("address") or r["host"]) for r in rows if name in (r.get("unshared") or {})})
+        if not blind:
+            scope = "this host (local mode)" if local else f"the driver and {len(rows)}/{len(rows)} probe tasks"
+            report.add(name, OK, executors=f"shared by {scope}: {where}")
+            continue
+        why = next(r["unshared"][name] for r in rows if name in (r.get("unshared") or {}))
+        report.add(name, ERROR, executors=f"not seen on {', '.join(blind)}: {where}",
+                   problem=f"the executors on {', '.join(blind)} do not see the driver's {where} ({why}): "
+                   "checkpoints or cached datasets written there stay on each host's own disk",
+                   fix=f"set {setting} to storage that the driver and every executor reach (a shared mount, "
+                   "hdfs://, s3://...)" + (", or pass checkpoint_dir= to sparkdl.run" if setting == RUN_DIR_CONF else ""))

@@ -6,6 +6,7 @@ probe runs, and says what is missing, on executors where sparkdl itself is not i
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -16,8 +17,28 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
-def _executor_probe(_: Any) -> Iterator[dict[str, Any]]:
-    """Runs in an executor's Python worker: what sparkdl cares about there. Self-contained."""
+def _sees(url: str, path: str, token: str) -> str | None:
+    """None when this host reads ``token`` back from the marker ``path`` of the directory ``url``;
+    else what it found. Local files are read here; other URLs through sparkdl, where installed."""
+    try:
+        if url.startswith("file://"):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                found = f.read(200)
+        else:
+            from sparkdl.storage import filesystem
+
+            with filesystem(url)[0].open_input_stream(path) as stream:
+                found = stream.read(200).decode(errors="replace")
+    except FileNotFoundError:
+        return "the driver's marker is not there"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if found == token else "another directory of the same name"
+
+
+def _executor_probe(markers: dict[str, tuple[str, str, str]], _: Any) -> Iterator[dict[str, Any]]:
+    """Runs in an executor's Python worker: what sparkdl cares about there, and whether it sees
+    the driver's marker in each of ``markers`` (name: (url, path, token)). Self-contained."""
     import importlib.metadata as md
     import os
     import socket
@@ -35,6 +56,8 @@ def _executor_probe(_: Any) -> Iterator[dict[str, Any]]:
         "executor": f"{socket.gethostname()}:{os.getppid()}",
         "python": ".".join(map(str, sys.version_info[:3])),
         "executable": sys.executable,
+        "address": os.environ.get("SPARK_LOCAL_IP"),
+        "unshared": {name: why for name, (url, path, token) in markers.items() if (why := _sees(url, path, token))},
     }
     for name in ("pyspark", "torch", "pyarrow", "numpy", "pandas", "cloudpickle", "sparkdl", "horovod", "petastorm"):
         facts[name] = version(name)
@@ -63,10 +86,12 @@ def _executor_probe(_: Any) -> Iterator[dict[str, Any]]:
     yield facts
 
 
-def probe_executors(spark: SparkSession, partitions: int, timeout_s: float) -> list[dict[str, Any]]:
+def probe_executors(spark: SparkSession, partitions: int, timeout_s: float,
+                    markers: dict[str, tuple[str, str, str]] | None = None) -> list[dict[str, Any]]:
     """Runs the probe on ``partitions`` tasks within ``timeout_s``; cancels the job after that.
 
-    Returns one dict per task (host, executor, Python, package versions, task GPUs). Raises
+    Returns one dict per task (host, executor, Python, package versions, task GPUs, and which of
+    ``markers`` its host does not see, under ``"unshared"``). Raises
     ``TimeoutError`` naming ``--timeout`` when the tasks did not all run in time, and re-raises
     the job's own error when a task failed.
     """
@@ -79,7 +104,7 @@ def probe_executors(spark: SparkSession, partitions: int, timeout_s: float) -> l
     def job() -> None:
         try:
             sc.setJobGroup(group, "sparkdl doctor: executor environment", interruptOnCancel=True)
-            box["rows"] = sc.parallelize(range(partitions), partitions).mapPartitions(_executor_probe).collect()
+            box["rows"] = sc.parallelize(range(partitions), partitions).mapPartitions(functools.partial(_executor_probe, markers or {})).collect()
         except BaseException as exc:
             box["error"] = exc
 
