@@ -56,6 +56,17 @@ ensure_java() {
   [ "${major:-0}" -ge 17 ] || { log "Java install did not give Java 17 (found ${major:-none})"; exit 1; }
 }
 
+ensure_netns_tools() {
+  # tests/test_netns_*.py build namespaced hosts with iproute2 (ip, ss); only root can, so only a
+  # root run installs it (a non-root run skips those tests and says why).
+  if [ "$(id -u)" != "0" ] || { command -v ip >/dev/null 2>&1 && command -v ss >/dev/null 2>&1; }; then
+    return
+  fi
+  log "iproute2 is missing (ip, ss: the namespaced-host tests); installing it"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2
+}
+
 ensure_venv() {
   local stamp_file="$VENV/.sparkdl-stamp"
   local want
@@ -93,6 +104,7 @@ ensure_horovod() {
 }
 
 ensure_java
+ensure_netns_tools
 ensure_venv
 # Read by tools/build-horovod.sh, so that a venv gets its own stack's pins.
 [ "$(cat "$VENV/.sparkdl-stack" 2>/dev/null)" = "$STACK" ] || echo "$STACK" > "$VENV/.sparkdl-stack"
