@@ -19,6 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+# tools/ (standalone_cluster.py, netns_cluster.py) is not a package: tests import its modules by name.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
 # Everything stays on loopback, and executors use this interpreter (the project's .venv).
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
 os.environ["PYSPARK_PYTHON"] = sys.executable

@@ -17,12 +17,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import netns_cluster
 import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import netns_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 

@@ -11,7 +11,6 @@ ended within its bounds; the jobs by spark-submit; ``sparkdl doctor`` naming bot
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import netns_cluster as tool
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,16 +30,6 @@ RUN_TIMEOUT_S = 420
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
 
-def _load_tool() -> Any:
-    spec = importlib.util.spec_from_file_location("netns_cluster", ROOT / "tools" / "netns_cluster.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("netns_cluster", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
 
 
 @pytest.fixture(scope="module")

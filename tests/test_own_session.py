@@ -9,7 +9,6 @@ ran and the setting that fixes it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import standalone_cluster
 
 from sparkdl.driver.cluster import executor_error
 
@@ -94,14 +94,6 @@ def test_a_local_session_without_pyspark_python_runs_on_the_drivers_interpreter(
     assert found["PYTHONEXEC"] == "python3"
 
 
-def _load_cluster_module() -> Any:
-    spec = importlib.util.spec_from_file_location("standalone_cluster", ROOT / "tools" / "standalone_cluster.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.cluster
 def test_on_a_cluster_it_fails_at_once_with_the_executors_error_and_the_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -109,7 +101,7 @@ def test_on_a_cluster_it_fails_at_once_with_the_executors_error_and_the_setting(
     _system_python_lacks_pyarrow()
     # The workers (and so their executors) find the system's python3 first on PATH.
     monkeypatch.setenv("PATH", SYSTEM_PATH + ":" + os.environ.get("PATH", ""))
-    cluster = _load_cluster_module().StandaloneCluster(1, cores=2, memory="1g", start_timeout_s=60)
+    cluster = standalone_cluster.StandaloneCluster(1, cores=2, memory="1g", start_timeout_s=60)
     cluster.start()
     try:
         found = _run_script(tmp_path, cluster.master_url, _user_env())

@@ -12,7 +12,6 @@ offer real ones with conf/gpu-discovery.sh; applications that ask for none are n
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 
 import psutil
 import pytest
+import standalone_cluster as sc_mod
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_GPUS = ROOT / "tests" / "resources" / "fake-gpus.sh"
@@ -31,15 +31,6 @@ JOB_TIMEOUT_S = 300
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
 
-def _load_cluster_module() -> Any:
-    spec = importlib.util.spec_from_file_location("standalone_cluster", ROOT / "tools" / "standalone_cluster.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sc_mod = _load_cluster_module()
 
 
 @pytest.fixture(scope="module")
