@@ -30,27 +30,36 @@ class Marker:
     token: str = field(repr=False)
 
     @property
+    def name(self) -> str:
+        return PREFIX + self.token[:16]
+
+    @property
     def path(self) -> str:
-        return posixpath.join(filesystem(self.url)[1], PREFIX + self.token[:16])
+        return self._locate()[1]
+
+    def _locate(self) -> tuple[Any, str]:
+        """The filesystem of ``url`` and the marker's path in it, from one filesystem lookup."""
+        fs, root = filesystem(self.url)
+        return fs, posixpath.join(root, self.name)
 
     @classmethod
     def plant(cls, url: str) -> Marker:
         """Creates ``url`` when missing and writes a fresh marker into it (on the driver)."""
         marker = cls(url, secrets.token_hex(24))
-        fs, root = filesystem(url)
-        fs.create_dir(root, recursive=True)
-        with fs.open_output_stream(marker.path) as out:
+        fs, path = marker._locate()
+        fs.create_dir(posixpath.dirname(path), recursive=True)
+        with fs.open_output_stream(path) as out:
             out.write(marker.token.encode())
         return marker
 
     def missing(self) -> str | None:
         """None when this host reads the marker back; else what it found instead."""
         try:
-            fs, _ = filesystem(self.url)
-            with fs.open_input_stream(self.path) as f:
+            fs, path = self._locate()
+            with fs.open_input_stream(path) as f:
                 found = f.read(200).decode(errors="replace")
         except FileNotFoundError:
-            return f"{redact(self.url)} has no file {PREFIX}{self.token[:16]} there"
+            return f"{redact(self.url)} has no file {self.name} there"
         except Exception as exc:
             return f"reading {redact(self.url)} failed: {type(exc).__name__}: {exc}"
         if found != self.token:
@@ -60,8 +69,8 @@ class Marker:
     def remove(self) -> None:
         """Deletes the marker; a directory that is gone already is fine."""
         try:
-            fs, _ = filesystem(self.url)
-            fs.delete_file(self.path)
+            fs, path = self._locate()
+            fs.delete_file(path)
         except Exception:
             pass
 
