@@ -170,6 +170,35 @@ def test_link_down_cuts_a_host_off_and_link_up_heals_it(cluster: netns_cluster.N
     assert healed.stdout.strip() == "connected", healed.stderr[-2000:]
 
 
+ORPHAN = (
+    "import sys, time, netns_cluster\n"
+    "c = netns_cluster.NetnsCluster(1, python=sys.executable).start()\n"
+    "print('UP', c.token, c.hosts[0].proc.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_cluster_whose_owner_was_killed_is_swept_and_a_live_one_is_not(cluster: netns_cluster.NetnsCluster) -> None:
+    env = {**cluster.driver_env(), "PYTHONPATH": str(ROOT / "tools")}
+    owner = subprocess.Popen([sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = owner.stdout.readline() if owner.stdout else ""
+    finally:
+        owner.kill()  # SIGKILL: no stop(), no atexit
+        owner.wait(timeout=10)
+    assert line.startswith("UP "), line
+    _, token, daemon = line.split()
+    assert psutil.pid_exists(int(daemon)) and Path(f"/var/tmp/sparkdl-netns-{token}").is_dir()
+
+    assert netns_cluster.sweep_stale() == [token]
+    assert not psutil.pid_exists(int(daemon)) or psutil.Process(int(daemon)).status() == psutil.STATUS_ZOMBIE
+    assert token not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert token not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not Path(f"/var/tmp/sparkdl-netns-{token}").exists()
+    # The module's cluster, whose owner (this process) runs, was left alone.
+    assert cluster.alive_workers() == {h.address for h in cluster.hosts} and cluster.dir.is_dir()
+
+
 def test_kill_host_kills_every_process_of_the_host(cluster: netns_cluster.NetnsCluster) -> None:
     victim, survivor = cluster.hosts[1], cluster.hosts[0]
     extra = start_in(cluster, victim)

@@ -12,7 +12,8 @@ venv, Spark, the shared dir, ``keep``) are bound back into each private /tmp. ``
         subprocess.run([sys.executable, "job.py"], env=cluster.driver_env())  # + driver_conf()
         cluster.link_down(cluster.hosts[0])  # a network partition of worker 0
 
-From a shell (Ctrl-C stops it all): ``.venv/bin/python tools/netns_cluster.py --workers 2``
+From a shell (Ctrl-C stops it all): ``.venv/bin/python tools/netns_cluster.py --workers 2``.
+What a cluster whose owner was SIGKILLed left behind is removed by the next start() or ``--sweep``.
 """
 
 from __future__ import annotations
@@ -142,12 +143,14 @@ class NetnsCluster:
         """Makes the network, starts the master and workers; returns once all are ALIVE."""
         if reason := self.available():
             raise ClusterError(reason)
+        sweep_stale()
         atexit.register(self.stop)
         try:
             for d in (self.dir, self.dir / "conf", self.dir / "logs", *([self.shared] if self.own_shared else [])):
                 d.mkdir()
                 self._dirs.append(d)
                 d.chmod(0o755)
+            (self.dir / "owner").write_text(_owner_id(os.getpid()))
             self.shared.mkdir(parents=True, exist_ok=True)
             self._make_network()
             for host in self.all_hosts:
@@ -366,6 +369,44 @@ class NetnsCluster:
         self.stop()
 
 
+def _owner_id(pid: int) -> str:
+    """A process's pid and start time (a pid alone may be reused), or "" when it does not run."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return f"{pid} {stat.rpartition(')')[2].split()[19]}"  # field 22, starttime
+
+
+def sweep_stale() -> list[str]:
+    """Removes what clusters whose owner died without stop() (SIGKILL, a restarted machine) left:
+    processes in their namespaces, the namespaces, veths, bridge and /var/tmp dir. Returns their
+    tokens. A cluster whose owner still runs is never touched."""
+    swept = []
+    names = _ip("netns", "list", check=False).split()
+    links = re.findall(r"^\d+: (sdl(?:br|v)[0-9a-f]{6}\w*)[@:]", _ip("-o", "link", "show", check=False), re.M)
+    tokens = {m.group(1) for n in [*names, *links] if (m := re.match(r"sdl(?:br|v)?([0-9a-f]{6})", n))}
+    tokens |= {d.name.rsplit("-", 1)[1] for d in Path("/var/tmp").glob("sparkdl-netns-*")}
+    for token in sorted(tokens):
+        owner = Path(f"/var/tmp/sparkdl-netns-{token}/owner")
+        with contextlib.suppress(OSError, ValueError):
+            recorded = owner.read_text()
+            if recorded and _owner_id(int(recorded.split()[0])) == recorded:
+                continue  # alive
+        ours = [n for n in names if n.startswith(f"sdl{token}-")]
+        for ns in ours:
+            for pid in _ip("netns", "pids", ns, check=False).split():
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
+        for link in [link for link in links if token in link]:
+            _ip("link", "del", link, check=False)
+        for ns in ours:
+            _ip("netns", "del", ns, check=False)
+        shutil.rmtree(f"/var/tmp/sparkdl-netns-{token}", ignore_errors=True)
+        swept.append(token)
+    return swept
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Runs a Spark standalone cluster of namespace hosts until Ctrl-C (root).")
     p.add_argument("--workers", type=int, default=2)
@@ -373,10 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", default="1g", help="memory per worker")
     p.add_argument("--python", default=sys.executable, help="executors' Python (default: %(default)s)")
     p.add_argument("--shared", help="storage all hosts share (default: a fresh dir under /var/tmp)")
+    p.add_argument("--sweep", action="store_true",
+                   help="only remove what clusters whose owner died left behind (start() does it too)")
     args = p.parse_args(argv)
     if reason := NetnsCluster.available():
         print(f"cannot start: {reason}", file=sys.stderr)
         return 2
+    if args.sweep:
+        print(f"swept: {' '.join(sweep_stale()) or 'nothing'}")
+        return 0
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored (&)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt), NetnsCluster(
