@@ -107,12 +107,13 @@ def create_session(master: str | None, confs: Mapping[str, str], app_name: str, 
 
 
 def resolve_session(spark: SparkSession | None, num_workers: int) -> SparkSession:
-    """The classic session ``sparkdl.run`` runs on: ``spark``, else the active one, else a new local one.
+    """The session ``sparkdl.run`` runs on: ``spark``, else the active one (classic or Spark
+    Connect), else a new local one.
 
     A new session is ``local[max(num_workers, cores)]`` on ``SPARK_LOCAL_IP`` (default
     127.0.0.1), with this interpreter as the workers' Python. Raises
-    :class:`~sparkdl.errors.ConfigError` when ``spark`` is not the active session, when the
-    session is a Spark Connect one, or when it has been stopped.
+    :class:`~sparkdl.errors.ConfigError` when ``spark`` is not the active session, or when it
+    has been stopped.
     """
     from pyspark.sql import SparkSession
 
@@ -137,10 +138,9 @@ def resolve_session(spark: SparkSession | None, num_workers: int) -> SparkSessio
             .getOrCreate()
         )
     if type(session).__module__.startswith("pyspark.sql.connect"):
-        raise ConfigError(
-            "sparkdl.run needs a classic SparkSession (it talks to the SparkContext); "
-            "this is a Spark Connect session. Run the driver code on the cluster's driver instead"
-        )
+        if getattr(session, "is_stopped", False):
+            raise ConfigError("the Spark Connect session has been stopped; create a new one before sparkdl.run")
+        return session
     sc = session.sparkContext
     if sc._jsc is None:
         raise ConfigError("the SparkSession has been stopped; create a new one before sparkdl.run")

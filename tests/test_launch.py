@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import sparkdl
-from sparkdl.driver.cluster import busy_slots
+from sparkdl.spark_api import ClassicApi
 
 # The rank functions below travel by value, as a notebook's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -245,7 +245,7 @@ def test_slots_busy_with_another_job_are_waited_for_within_slot_wait_s(spark, tm
     blocker.start()
     try:
         deadline = time.monotonic() + 30
-        while busy_slots(sc) < 1:  # sparkdl's own count of the slots that running tasks hold
+        while (ClassicApi(spark).busy_slots() or 0) < 1:  # sparkdl's own count of the slots that running tasks hold
             assert time.monotonic() < deadline, "the other job never started its task"
             time.sleep(0.1)
         # With the slot still taken when slot_wait_s runs out: a clear error, no task started.

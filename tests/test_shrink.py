@@ -161,11 +161,11 @@ class ExecutorKiller:
 def fresh_cluster(spark_session) -> Iterator[Any]:  # type: ignore[no-untyped-def]
     """A local-cluster of its own (a test kills one of its executors for good), with both
     executors registered. The next test that asks for a session stops it."""
-    from sparkdl.driver.cluster import task_slots
+    from sparkdl.spark_api import ClassicApi
 
     session = spark_session(MASTER, {"spark.executor.memory": "512m", "spark.sparkdl.test.shrink": secrets.token_hex(4)})
     deadline = time.monotonic() + 120
-    while task_slots(session.sparkContext) != 2:
+    while ClassicApi(session).task_slots() != 2:
         assert time.monotonic() < deadline, "the local cluster's two executors did not register in 120 s"
         time.sleep(0.2)
     yield session

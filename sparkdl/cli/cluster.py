@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 from sparkdl.cli.probe import probe_executors
 from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
 from sparkdl.data.cache import CACHE_DIR_CONF, cache_dir
-from sparkdl.driver.cluster import RUN_DIR_CONF, executor_error, executor_hosts, runs_root
+from sparkdl.driver.cluster import RUN_DIR_CONF, executor_error, runs_root
 from sparkdl.reach import Marker
+from sparkdl.spark_api import SparkApi, of
 from sparkdl.storage import normalize_url, redact
 
 if TYPE_CHECKING:
@@ -27,15 +28,13 @@ def _wait_for_executors(sc: Any, wanted: int, timeout_s: float) -> int:
         time.sleep(0.25)
 
 
-def _settled_slots(sc: Any, wanted: int, timeout_s: float, settle_s: float = 5.0) -> int | None:
+def _settled_slots(api: SparkApi, wanted: int, timeout_s: float, settle_s: float = 5.0) -> int | None:
     """Task slots once executors stop registering: ``wanted`` reached, or no change for ``settle_s``."""
-    from sparkdl.driver.cluster import task_slots
-
     deadline = time.monotonic() + timeout_s
-    last, since = task_slots(sc), time.monotonic()
+    last, since = api.task_slots(), time.monotonic()
     while last is not None and last < wanted and time.monotonic() < deadline:
         time.sleep(0.25)
-        now = task_slots(sc)
+        now = api.task_slots()
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= settle_s:
@@ -50,8 +49,7 @@ def check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | N
     ``driver`` holds the driver's package versions, which the executors' are compared with;
     ``timeout_s`` bounds the wait for executors and the probe job (``--timeout``).
     """
-    from sparkdl.driver.cluster import busy_slots, task_slots
-
+    api = of(spark)
     sc = spark.sparkContext
     conf = sc.getConf()
     local = (sc.master or "").startswith("local")
@@ -66,8 +64,8 @@ def check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | N
         if conf.get("spark.dynamicAllocation.enabled", "false") == "true":
             report.add("dynamic allocation", ERROR, problem="barrier stages (sparkdl.run) do not support dynamic allocation",
                        fix="--conf spark.dynamicAllocation.enabled=false")
-    total = _settled_slots(sc, num_workers, min(timeout_s / 2, 30.0)) if not local else task_slots(sc)
-    busy = busy_slots(sc)
+    total = _settled_slots(api, num_workers, min(timeout_s / 2, 30.0)) if not local else api.task_slots()
+    busy = api.busy_slots() or 0
     slots_text = f"{total} total, {max((total or 0) - busy, 0)} free; need {num_workers}" if total is not None else "unknown"
     if total is not None and total - busy < num_workers:
         gpu = conf.get("spark.task.resource.gpu.amount", None)
@@ -99,7 +97,7 @@ def check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | N
         for marker, _ in dirs.values():
             marker.remove()
     envs = {r["executor"]: r for r in rows}
-    hosts = executor_hosts(sc)
+    hosts = api.executor_hosts()
     report.add("executors", OK, executors=f"{len(envs)} reached on {len(hosts) or len({r['host'] for r in rows})} "
                f"host(s)" + (f": {', '.join(hosts)}" if hosts else ""))
     _check_shared(report, rows, dirs, local)

@@ -1,14 +1,12 @@
 """What the driver asks of the Spark cluster before a run: slots, GPUs, addresses, directories.
 
-Every function takes the ``SparkContext`` (or its conf) and reads; none starts a job, except
-:func:`check_executor_python` on a cluster whose executors run pyspark's default ``python3``.
+Every function takes the session's :class:`~sparkdl.spark_api.SparkApi` (or its confs) and
+reads; none starts a job, except :func:`check_executor_python` on a cluster whose executors run
+pyspark's default ``python3``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ from urllib.parse import urlsplit
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, InsufficientSlotsError
 from sparkdl.private import user_dir
+from sparkdl.spark_api import ClassicApi, SparkApi
 
 DEFAULT_STAGE_ATTEMPTS = 4
 RUN_DIR_CONF = "spark.sparkdl.runDir"
@@ -45,49 +44,11 @@ def stage_attempts(conf: Any) -> int:
     return int(conf.get("spark.stage.maxConsecutiveAttempts", str(DEFAULT_STAGE_ATTEMPTS)))
 
 
-def task_slots(sc: Any) -> int | None:
-    """Task slots of the cluster for the default resource profile (cores, GPUs and spark.task.cpus)."""
-    try:
-        jsc = sc._jsc.sc()
-        profile = jsc.resourceProfileManager().defaultResourceProfile()
-        return int(jsc.maxNumConcurrentTasks(profile))
-    except Exception:
-        return None
-
-
-def busy_slots(sc: Any, *, except_group: str | None = None) -> int:
-    """Task slots that running stages hold now, less those of the jobs of ``except_group``."""
-    tracker = sc.statusTracker()
-    own: set[int] = set()
-    if except_group is not None:
-        for job_id in tracker.getJobIdsForGroup(except_group):
-            job = tracker.getJobInfo(job_id)
-            if job is not None:
-                own.update(job.stageIds)
-    busy = 0
-    for stage_id in tracker.getActiveStageIds():
-        info = tracker.getStageInfo(stage_id) if stage_id not in own else None
-        if info is not None:
-            busy += info.numActiveTasks
-    return busy
-
-
-def free_slots(sc: Any, group: str) -> int | None:
-    """Task slots free now for the gang of job group ``group``: the live executors' slots less
-    those other jobs hold (the group's own tasks are the gang's); None when Spark does not say."""
-    total = task_slots(sc)
-    if total is None:
-        return None
-    try:
-        return max(total - busy_slots(sc, except_group=group), 0)
-    except Exception:  # the status tracker of a stopping context
-        return None
-
-
-def check_cluster(sc: Any, num_workers: int, cfg: RunConfig) -> None:
-    """Returns once ``num_workers`` slots are free at once; InsufficientSlotsError after ``slot_wait_s``."""
-    conf = sc.getConf()
-    master = sc.master
+def check_cluster(api: SparkApi, num_workers: int, cfg: RunConfig) -> None:
+    """Returns once ``num_workers`` slots are free at once; InsufficientSlotsError after ``slot_wait_s``.
+    Over Spark Connect only the slots the master URL fixes are known, and none counts as busy."""
+    conf = api.confs()
+    master = api.master
     if not master.startswith("local") and conf.get("spark.dynamicAllocation.enabled", "false") == "true":
         raise ConfigError(
             "Spark's barrier mode, which sparkdl.run uses, does not support dynamic allocation: "
@@ -95,15 +56,17 @@ def check_cluster(sc: Any, num_workers: int, cfg: RunConfig) -> None:
         )
     deadline = time.monotonic() + cfg.slot_wait_s
     while True:
-        total = task_slots(sc)
+        total = api.task_slots()
         if total is None:
             return
-        free = total - busy_slots(sc)
+        busy = api.busy_slots()
+        free = total - (busy or 0)
         if free >= num_workers:
             return
-        if time.monotonic() >= deadline:
+        if busy is None or time.monotonic() >= deadline:  # nothing to wait for when none is busy
             break
         time.sleep(0.2)
+    waited = f"after waiting {cfg.slot_wait_s:g} s (RunConfig.slot_wait_s)" if busy is not None else "(Spark Connect)"
     task_cpus = conf.get("spark.task.cpus", "1")
     gpu_part = ""
     if conf.get("spark.task.resource.gpu.amount", None):
@@ -114,29 +77,12 @@ def check_cluster(sc: Any, num_workers: int, cfg: RunConfig) -> None:
     raise InsufficientSlotsError(
         f"num_workers={num_workers} needs {num_workers} task slots at once, but the cluster has "
         f"{total} (master {master}, spark.task.cpus={task_cpus}{gpu_part}) of which {free} are free "
-        f"after waiting {cfg.slot_wait_s:g} s (RunConfig.slot_wait_s). Lower num_workers, or add "
+        f"{waited}. Lower num_workers, or add "
         "executors or cores (spark.executor.instances, spark.executor.cores, local[N]), or lower "
         "spark.task.cpus",
         required=num_workers,
         available=max(free, 0),
     )
-
-
-def is_local(sc: Any) -> bool:
-    """Whether the session runs its tasks in the driver's JVM (``local``, ``local[N]``, ``local[N, F]``)."""
-    return bool(sc.master == "local" or sc.master.startswith("local["))
-
-
-def driver_bind_host(sc: Any) -> str:
-    """The address tasks reach the driver on: loopback in local mode, whatever the session's
-    spark.driver.host says (nothing of a local run is for other hosts), else spark.driver.host."""
-    if is_local(sc):
-        return "127.0.0.1"
-    host = sc.getConf().get("spark.driver.host", None) or os.environ.get("SPARK_LOCAL_IP") or "127.0.0.1"
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
 
 
 def run_dir(conf: Any, run_id: str) -> str:
@@ -182,34 +128,14 @@ def mlflow_enabled(conf: Any, cfg: RunConfig) -> bool:
     return True
 
 
-def _default_python(sc: Any) -> bool:
-    """Whether the session's Python workers run pyspark's default, ``python3`` from PATH: nobody set
-    PYSPARK_PYTHON (a notebook kernel of a venv, ``.venv/bin/python script.py``)."""
-    return "PYSPARK_PYTHON" not in os.environ and getattr(sc, "pythonExec", None) == "python3"
-
-
-@contextlib.contextmanager
-def executor_python(sc: Any) -> Iterator[None]:
-    """While a run builds its stages: the executors' Python is this interpreter (which has sparkdl,
-    torch and pyarrow) when the executors are on this machine (``local``, ``local-cluster``) and
-    nobody chose another; a Python someone chose is kept. Elsewhere nothing changes."""
-    if not (str(sc.master).startswith("local") and _default_python(sc)):
-        yield
-        return
-    chosen = sc.pythonExec
-    sc.pythonExec = sc.getConf().get("spark.pyspark.python", None) or sys.executable
-    try:
-        yield
-    finally:
-        sc.pythonExec = chosen
-
-
-def check_executor_python(sc: Any) -> None:
+def check_executor_python(api: SparkApi) -> None:
     """On a cluster whose executors run pyspark's default ``python3``: a one-task job that imports
     what a rank needs, so that a Python without them fails now with its own error and the setting
-    that fixes it, not after a barrier stage's reruns."""
-    if str(sc.master).startswith("local") or not _default_python(sc):
+    that fixes it, not after a barrier stage's reruns. (Over Spark Connect the server chose the
+    executors' Python; a run that cannot import sparkdl there fails with the executor's error.)"""
+    if not isinstance(api, ClassicApi) or api.master.startswith("local") or not api.default_python():
         return
+    sc = api.sc
 
     def imports(_: Any) -> Iterator[str]:
         import importlib
@@ -241,15 +167,3 @@ def executor_error(exc: BaseException | None) -> str | None:
         if line.strip() and not line.startswith((" ", "\t")):
             return line.strip()
     return None
-
-
-def executor_hosts(sc: Any) -> list[str]:
-    """The addresses of the hosts the session's executors run on (in local mode, the driver's)."""
-    try:
-        summaries = sc._jsc.sc().statusStore().executorList(True)
-        found = [summaries.apply(i) for i in range(summaries.size())]
-        pairs = [(str(e.id()), str(e.hostPort()).rsplit(":", 1)[0]) for e in found]
-    except Exception:
-        return []
-    executors = {host for ident, host in pairs if ident != "driver"}
-    return sorted(executors or {host for _, host in pairs})

@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from sparkdl import spark_api
 from sparkdl._validate import int_at_least
 from sparkdl.backends import BACKENDS, get_backend
 from sparkdl.config import RunConfig
@@ -164,11 +165,11 @@ def launch(
     get_backend(backend).check_driver()
 
     session = resolve_session(spark, num_workers)
-    sc = session.sparkContext
-    conf = sc.getConf()
+    api = spark_api.of(session)
+    conf = api.confs()
     gpu = cluster.resolve_gpu(conf, use_gpu)
-    cluster.check_cluster(sc, num_workers, cfg)
-    cluster.check_executor_python(sc)
+    cluster.check_cluster(api, num_workers, cfg)
+    cluster.check_executor_python(api)
     attempts_allowed = cfg.max_attempts if cfg.max_attempts is not None else cluster.stage_attempts(conf)
 
     run_id = secrets.token_hex(6)
@@ -186,7 +187,7 @@ def launch(
         # Every task reads this back before its rank starts: a checkpoint directory that only the
         # driver's host has stops the run here, not after the checkpoints are lost (sparkdl.reach).
         marker = Marker.plant(store.url)
-        value = SparkLauncher(session, checkpoints=marker).run(Job(spec, fn_bytes, attempts_allowed), monitor)
+        value = SparkLauncher(session, api, checkpoints=marker).run(Job(spec, fn_bytes, attempts_allowed), monitor)
     finally:
         if marker is not None:
             marker.remove()

@@ -24,13 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
-from sparkdl.driver.cluster import (
-    driver_bind_host,
-    executor_error,
-    executor_python,
-    free_slots,
-    is_local,
-)
+from sparkdl.driver.cluster import executor_error
 from sparkdl.driver.launcher import Job, Launcher
 from sparkdl.driver.monitor import Monitor
 from sparkdl.driver.report import RankRecord, build_report
@@ -42,6 +36,7 @@ from sparkdl.errors import (
     SparkDLError,
 )
 from sparkdl.reach import Marker
+from sparkdl.spark_api import SparkApi
 from sparkdl.storage import redact
 from sparkdl.task.main import TaskPayload, task_main
 from sparkdl.wire.channel import ChannelServer
@@ -65,21 +60,22 @@ class _Outcome:
 
 
 class SparkLauncher(Launcher):
-    def __init__(self, session: SparkSession, checkpoints: Marker | None = None) -> None:
+    def __init__(self, session: SparkSession, api: SparkApi, checkpoints: Marker | None = None) -> None:
         self.session = session
+        self.api = api
         self.checkpoints = checkpoints
 
     def launch(self, job: Job, monitor: Monitor) -> bytes:
         cfg = job.run.config
-        sc = self.session.sparkContext
+        api = self.api
         secret = secrets.token_bytes(32)
-        with executor_python(sc), ChannelServer(driver_bind_host(sc), secret, monitor.on_message, monitor.on_close,
-                           handshake_timeout_s=cfg.handshake_timeout_s) as server:
+        with api.executor_python(), ChannelServer(api.channel_host(), secret, monitor.on_message, monitor.on_close,
+                                                  handshake_timeout_s=cfg.handshake_timeout_s) as server:
             # In local mode the ranks' listeners (TCPStore, gloo) are on loopback too.
             payload = TaskPayload(job.run, job.fn_bytes, secret.hex(), server.address[0], server.address[1],
-                                  rank_host="127.0.0.1" if is_local(sc) else None, checkpoints=self.checkpoints)
+                                  rank_host="127.0.0.1" if api.local else None, checkpoints=self.checkpoints)
             job_index = 0
-            watch = _SlotWatch(sc)
+            watch = _SlotWatch(api)
             while True:
                 outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg, watch)
                 job_index += 1
@@ -95,22 +91,19 @@ class SparkLauncher(Launcher):
                     max_attempts=job.max_attempts,
                 )
                 if decision is not policy.Decision.RERUN:
-                    raise _failure(monitor, outcome, job.max_attempts, python=sc.pythonExec)
+                    raise _failure(monitor, outcome, job.max_attempts, python=api.python_exec)
 
     def _run_job(
         self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig, watch: _SlotWatch
     ) -> _Outcome:
-        from pyspark import InheritableThread
-
-        session = self.session
-        sc = session.sparkContext
+        session, api = self.session, self.api
         outcome = _Outcome()
         done = threading.Event()
         n = payload.run.world_size
 
         def job() -> None:
             try:
-                sc.setJobGroup(group, f"sparkdl.run: {n} ranks", interruptOnCancel=True)
+                api.tag_jobs(group, f"sparkdl.run: {n} ranks")
                 df: Any = (
                     session.range(0, n, 1, n)
                     .mapInArrow(functools.partial(task_main, payload), _RESULT_SCHEMA, barrier=True)
@@ -123,12 +116,13 @@ class SparkLauncher(Launcher):
             except BaseException as exc:
                 outcome.error = exc
             finally:
+                api.untag_jobs(group)
                 done.set()
                 with monitor.cond:
                     monitor.cond.notify_all()
 
         started = time.monotonic()
-        thread = InheritableThread(target=job, name=f"sparkdl-job-{group}", daemon=True)
+        thread = _job_thread(api, job, f"sparkdl-job-{group}")
         thread.start()
         try:
             while not done.is_set():
@@ -145,7 +139,7 @@ class SparkLauncher(Launcher):
         except BaseException:
             # Ctrl-C in a notebook or console: stop the gang before giving control back.
             monitor.stopping = "the driver was interrupted"
-            sc.cancelJobGroup(group)
+            api.cancel(group)
             done.wait(cfg.kill_grace_s)
             raise
         if outcome.verdict is not None:
@@ -153,7 +147,7 @@ class SparkLauncher(Launcher):
                 # Where each running rank is, for the report, before their tasks are killed (bounded).
                 monitor.collect_stacks()
             finally:
-                sc.cancelJobGroup(group)
+                api.cancel(group)
             done.wait(cfg.kill_grace_s)
             outcome.result = None
         else:
@@ -169,8 +163,8 @@ class _SlotWatch:
     they have been too few: Spark itself would wait for them without end (a barrier stage
     resubmitted after a failure launches only once all its slots are free at once)."""
 
-    def __init__(self, sc: Any) -> None:
-        self._sc = sc
+    def __init__(self, api: SparkApi) -> None:
+        self._api = api
         self._gang: tuple[str, int] | None = None
         self._short: policy.Slots | None = None
         self._polled = 0.0
@@ -187,13 +181,24 @@ class _SlotWatch:
         if now - self._polled < _POLL_S:
             return self._short
         self._polled = now
-        free = free_slots(self._sc, group)
+        free = self._api.free_slots(group)
         if free is None or free >= needed:
             self._short = None
         else:
             since = self._short.short_since if self._short is not None else now
             self._short = policy.Slots(needed, free, short_since=since)
         return self._short
+
+
+def _job_thread(api: SparkApi, target: Any, name: str) -> threading.Thread:
+    """The thread that submits a Spark job: on a classic session an InheritableThread, which
+    carries the job group and local properties in pyspark's pinned-thread mode."""
+    if api.remote:
+        return threading.Thread(target=target, name=name, daemon=True)
+    from pyspark import InheritableThread
+
+    thread: threading.Thread = InheritableThread(target=target, name=name, daemon=True)
+    return thread
 
 
 def _shrunk(payload: TaskPayload, world_size: int, num_workers: int, monitor: Monitor) -> TaskPayload:

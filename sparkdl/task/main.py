@@ -154,9 +154,14 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             # Only the rank 0 process holds the store's socket from here on.
             listener.close()
             listener = None
-        orders = _answer_driver(conn, link, proc, run.config.connect_timeout_s)
+        lost = threading.Event()
+        orders = _answer_driver(conn, link, proc, run.config.connect_timeout_s, lost)
         link.send(Started(proc.pid))
         code = proc.wait()
+        if lost.is_set() and code != 0:
+            # The driver ended (a Spark Connect client that disconnected): nobody waits for this run.
+            raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} was stopped: the driver closed "
+                             "its channel (the driver program or Spark Connect client ended)")
         if code != 0:
             ended = time.time()
             error, tb, failed_at = read_error(workdir)
@@ -183,10 +188,13 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, timeout_s: float) -> threading.Thread:
+def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, timeout_s: float,
+                   lost: threading.Event) -> threading.Thread:
     """Reads the driver's requests once the rank runs (:class:`DumpStacks`: reply with the rank's
     stacks) until the connection closes. Its replies go through ``link``, whose lock orders them
-    with the relays' sends; the socket's timeout stays the one ``recv`` of GoAhead set."""
+    with the relays' sends; the socket's timeout stays the one ``recv`` of GoAhead set. When the
+    driver closes the connection while the rank runs, the driver is gone (a Spark Connect client
+    ends without the server): ``lost`` is set and the rank killed, which ends the task."""
 
     def serve() -> None:
         while True:
@@ -194,9 +202,14 @@ def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, 
                 if not conn.readable(0.5):
                     continue
                 frame = conn.recv(timeout=timeout_s)
-            except (OSError, ValueError, ChannelError):
+            except (ValueError, ChannelError):
                 return
+            except OSError:
+                frame = None
             if frame is None:
+                if proc.running():
+                    lost.set()
+                    proc.kill()
                 return
             if DumpStacks.asked(frame):
                 link.send(Stacks(proc.pid, proc.dump_stacks()))

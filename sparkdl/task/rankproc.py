@@ -226,6 +226,10 @@ class RankProcess:
             text = _read_dump(path, start, timeout)
         return with_source(text) if text.strip() else None
 
+    def running(self) -> bool:
+        """Whether the rank has not ended (nor been reaped) yet."""
+        return self._proc.returncode is None
+
     def kill(self) -> None:
         """SIGKILLs the rank and all below it: its group, and (the rank being a subreaper) the
         descendants that left the group, as long as the rank lives to hold them."""
