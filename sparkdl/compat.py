@@ -5,10 +5,16 @@ time bounds and the failure report::
 
     # from sparkdl import HorovodRunner          (was: from sparkdl import HorovodRunner)
     # from sparkdl import TorchDistributor       (was: from pyspark.ml.torch.distributor import TorchDistributor)
+
+Both refuse what the originals refuse, with exceptions of the same built-in types, at the same
+point: a bad setting or Spark conf at construction, arguments a script cannot take at ``run``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import os
 import runpy
 import sys
@@ -16,8 +22,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sparkdl._validate import is_int
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError
+from sparkdl.spark_api import is_remote
+
+log = logging.getLogger(__name__)
+
+TASK_GPU_CONF = "spark.task.resource.gpu.amount"
+DRIVER_GPU_CONF = "spark.driver.resource.gpu.amount"
+LOG_VERBOSITIES = ("log_callback_only", "all")
+
+
+class GpuConfigError(ConfigError, RuntimeError):
+    """``use_gpu=True``, but the Spark confs give the processes no GPU (or no whole GPUs).
+
+    Also a ``RuntimeError``: Spark's ``TorchDistributor`` raises one for the same confs at the
+    same point (its constructor), so code written for it catches this one too.
+    """
 
 
 class HorovodRunner:
@@ -26,8 +48,9 @@ class HorovodRunner:
     Args:
         np: ``np > 0``: that many workers on the cluster, one Spark task slot each;
             ``np < 0``: ``-np`` processes on the driver alone, for development, with their output
-            shown in the notebook or console. ``np = 0`` is refused.
-        driver_log_verbosity: accepted for compatibility; every rank's output is always shown.
+            shown in the notebook or console. ``np = 0`` (deprecated on Databricks) is refused.
+        driver_log_verbosity: ``"log_callback_only"`` or ``"all"``, accepted for compatibility;
+            every rank's output is always shown.
         config: sparkdl's bounds and settings (:class:`sparkdl.RunConfig`).
 
     Example::
@@ -41,18 +64,29 @@ class HorovodRunner:
         state = HorovodRunner(np=2).run(train, lr=0.1)
     """
 
-    def __init__(self, *, np: int, driver_log_verbosity: str = "all", config: RunConfig | None = None) -> None:
-        if isinstance(np, bool) or not isinstance(np, int) or np == 0:
+    def __init__(self, *, np: int, driver_log_verbosity: str = "log_callback_only",
+                 config: RunConfig | None = None) -> None:
+        if not is_int(np) or np == 0:
             raise ConfigError(
                 f"HorovodRunner(np={np!r}): np must be a non-zero integer: np > 0 runs np workers on "
                 "the cluster, np < 0 runs -np processes on the driver"
+            )
+        if driver_log_verbosity not in LOG_VERBOSITIES:
+            raise ConfigError(
+                f"HorovodRunner(driver_log_verbosity={driver_log_verbosity!r}): must be "
+                "'log_callback_only' or 'all' (sparkdl shows every rank's output either way)"
             )
         self.num_processor = np
         self.driver_log_verbosity = driver_log_verbosity
         self._config = config
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
-        """Runs ``main(**kwargs)`` on every process; returns the value of the first process (rank 0)."""
+        """Runs ``main(**kwargs)`` on every process; returns the value of the first process (rank 0).
+
+        Raises ``TypeError`` before anything starts when ``main`` cannot take ``kwargs``, as
+        Databricks' HorovodRunner does.
+        """
+        _check_call("HorovodRunner.run", main, kwargs)
         if self.num_processor < 0:
             from sparkdl.driver.local import run_on_driver
 
@@ -60,7 +94,7 @@ class HorovodRunner:
                                  config=self._config)
         from sparkdl.driver.run import run
 
-        return run(main, num_workers=self.num_processor, backend="horovod", config=self._config, **kwargs)
+        return run(_bind(main, kwargs), num_workers=self.num_processor, backend="horovod", config=self._config)
 
 
 class TorchDistributor:
@@ -72,17 +106,24 @@ class TorchDistributor:
             one task slot each (and, unlike Spark's class, the gang reruns when a rank fails).
         use_gpu: give each process one GPU; on a cluster this needs
             ``spark.task.resource.gpu.amount``, in local mode ``spark.driver.resource.gpu.amount``.
+            As in Spark's class, local mode lowers ``num_processes`` to the driver's GPUs.
         config: sparkdl's bounds and settings (:class:`sparkdl.RunConfig`).
+
+    Raises:
+        GpuConfigError: (a ``ConfigError`` and a ``RuntimeError``) ``use_gpu=True`` and the active
+            session's GPU confs are unset, or ``num_processes`` is not a multiple of
+            ``spark.task.resource.gpu.amount``.
+        ConfigError: (a ``ValueError``) ``num_processes`` is not an integer >= 1.
 
     Example::
 
-        def train(lr):
+        def train(lr, epochs=1):
             import torch.distributed as dist
             dist.init_process_group("gloo")
             ...
             return model.state_dict()
 
-        state = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train, 0.1)
+        state = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train, 0.1, epochs=3)
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run("train.py", "--lr", "0.1")
     """
 
@@ -94,16 +135,30 @@ class TorchDistributor:
         *,
         config: RunConfig | None = None,
     ) -> None:
-        if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        if not is_int(num_processes):
             raise ConfigError(f"TorchDistributor(num_processes={num_processes!r}): must be an integer >= 1")
-        self.num_processes = num_processes
         self.local_mode = local_mode
         self.use_gpu = use_gpu
         self._config = config
+        # Spark's order: the GPU confs first, then the number of processes.
+        self.num_processes = _gpu_processes(num_processes, local_mode) if use_gpu else num_processes
+        if self.num_processes < 1:
+            raise ConfigError(f"TorchDistributor(num_processes={num_processes!r}): must be an integer >= 1")
 
-    def run(self, train_object: Callable[..., Any] | str, *args: Any) -> Any:
-        """Runs ``train_object``: a function (returns rank 0's value) or a script path with its arguments (returns None)."""
+    def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+        """Runs ``train_object``: a function, as ``train_object(*args, **kwargs)`` (returns rank 0's
+        value), or a script path with its command-line arguments ``args`` (returns None).
+
+        Raises ``ConfigError`` (a ``ValueError``, as Spark raises) before anything starts when a
+        script is given keyword arguments.
+        """
         if isinstance(train_object, str):
+            if kwargs:
+                raise ConfigError(
+                    f"TorchDistributor.run({train_object!r}, ...) got keyword arguments "
+                    f"({', '.join(sorted(kwargs))}), but a script takes command-line arguments only; "
+                    "pass them as strings, e.g. run(path, '--lr', '0.1'), or pass a function instead"
+                )
             source = Path(train_object).read_text()
             fn: Callable[..., Any] = run_script_source
             call_args: tuple[Any, ...] = (source, train_object, [str(a) for a in args])
@@ -112,27 +167,122 @@ class TorchDistributor:
         if self.local_mode:
             from sparkdl.driver.local import run_on_driver
 
-            return run_on_driver(fn, call_args, {}, num_processes=self.num_processes, backend="torch",
+            return run_on_driver(fn, call_args, kwargs, num_processes=self.num_processes, backend="torch",
                                  gpu_ids=_driver_gpus(self.num_processes) if self.use_gpu else None,
                                  config=self._config)
         from sparkdl.driver.run import run
 
-        return run(fn, *call_args, num_workers=self.num_processes, backend="torch", use_gpu=self.use_gpu,
-                   config=self._config)
+        return run(_bind(fn, kwargs), *call_args, num_workers=self.num_processes, backend="torch",
+                   use_gpu=self.use_gpu, config=self._config)
+
+
+def _bind(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    # The user's keyword arguments travel bound to fn, so that names sparkdl.run takes itself
+    # (backend, config, use_gpu, ...) reach fn instead of clashing with sparkdl.run's own.
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def _check_call(what: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without a signature to check: it runs unchecked
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"{what}: {getattr(fn, '__name__', fn)!s}{signature} cannot be called with the keyword "
+            f"arguments {sorted(kwargs)}: {exc}"
+        ) from None
+
+
+def _active_session() -> Any:
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession()
+
+
+def _conf(session: Any, key: str) -> str | None:
+    """Spark conf ``key`` of ``session``, or None when unset.
+
+    ``session.conf`` answers for classic and Spark Connect sessions alike (a Connect session has
+    no ``sparkContext``); it holds the confs the session was built with.
+    """
+    value = session.conf.get(key, None)
+    return None if value is None else str(value)
+
+
+_GPU_SETUP = {
+    TASK_GPU_CONF: f"set {TASK_GPU_CONF}=1 with spark.executor.resource.gpu.amount and "
+                   "spark.executor.resource.gpu.discoveryScript (conf/spark-defaults.gpu.conf shows them)",
+    DRIVER_GPU_CONF: f"set {DRIVER_GPU_CONF} to the driver's GPUs with "
+                     "spark.driver.resource.gpu.discoveryScript (conf/gpu-discovery.sh)",
+}
+
+
+def _whole_gpus(session: Any, key: str, where: str) -> int:
+    """The whole number of GPUs conf ``key`` gives; GpuConfigError when unset, 0 or fractional."""
+    raw = _conf(session, key)
+    amount = float(raw) if raw else 0.0
+    if amount >= 1 and amount.is_integer():
+        return int(amount)
+    state = "is unset" if not amount else f"is {raw}, not a whole number of GPUs"
+    raise GpuConfigError(
+        f"TorchDistributor(use_gpu=True) gives each process a GPU {where}, but '{key}' {state}; "
+        f"{_GPU_SETUP[key]}, or pass use_gpu=False"
+    )
+
+
+def _gpu_processes(num_processes: int, local_mode: bool) -> int:
+    """``num_processes`` as the GPU confs allow it, checked where and as Spark's class checks them."""
+    session = _active_session()
+    if session is None:
+        raise GpuConfigError(
+            "TorchDistributor(use_gpu=True) reads the GPU confs of the active SparkSession, but "
+            "there is none; create one first (SparkSession.builder...getOrCreate()), or pass use_gpu=False"
+        )
+    if not local_mode:
+        per_task = _whole_gpus(session, TASK_GPU_CONF, "of its Spark task")
+        if num_processes % per_task:
+            low = num_processes - num_processes % per_task
+            raise GpuConfigError(
+                f"TorchDistributor(num_processes={num_processes}) with {TASK_GPU_CONF}={per_task}: "
+                f"num_processes must be a multiple of {TASK_GPU_CONF}, as in Spark's class; use "
+                f"num_processes={low or per_task}" + (f" or {low + per_task}" if low else "")
+            )
+        return num_processes
+    available = _whole_gpus(session, DRIVER_GPU_CONF, "of the driver")
+    if not is_remote(session) and "gpu" not in session.sparkContext.resources:
+        raise GpuConfigError(
+            f"TorchDistributor(local_mode=True, use_gpu=True): {DRIVER_GPU_CONF}={available}, but Spark "
+            "found no GPU on the driver; check spark.driver.resource.gpu.discoveryScript "
+            "(conf/gpu-discovery.sh), or pass use_gpu=False"
+        )
+    if num_processes > available:
+        log.warning(
+            "TorchDistributor(num_processes=%d, local_mode=True): the driver has %d GPUs "
+            "(%s); running %d processes, as Spark's TorchDistributor does",
+            num_processes, available, DRIVER_GPU_CONF, available,
+        )
+        return available
+    return num_processes
 
 
 def _driver_gpus(num_processes: int) -> list[str]:
-    from pyspark.sql import SparkSession
-
-    session = SparkSession.getActiveSession()
-    conf = session.sparkContext.getConf() if session is not None else None
-    if conf is None or not conf.get("spark.driver.resource.gpu.amount", None):
-        raise ConfigError(
-            "TorchDistributor(local_mode=True, use_gpu=True) needs the driver's GPUs, but "
-            "'spark.driver.resource.gpu.amount' is unset; set it and "
-            "spark.driver.resource.gpu.discoveryScript (conf/gpu-discovery.sh), or pass use_gpu=False"
+    """The driver's GPU addresses, one per process to be."""
+    session = _active_session()
+    if session is None:
+        raise GpuConfigError(
+            "TorchDistributor(local_mode=True, use_gpu=True) takes the driver's GPUs from the "
+            "active SparkSession, but there is none; create one first, or pass use_gpu=False"
         )
-    assert session is not None
+    if is_remote(session):
+        # The processes run here, on the client, as Spark's do under Spark Connect: the server
+        # driver's GPU addresses mean nothing on this machine, so rank i takes its i-th GPU.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            return [gpu for gpu in visible.split(",") if gpu]
+        return [str(i) for i in range(num_processes)]
     resources = session.sparkContext.resources
     return list(resources["gpu"].addresses) if "gpu" in resources else []
 

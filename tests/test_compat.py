@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +62,36 @@ def test_horovod_runner_refuses_np_zero() -> None:
         sparkdl.HorovodRunner(np=0)
 
 
-def td_train(lr: float) -> list[float]:
+def test_horovod_runner_signature_and_checks_match_databricks() -> None:
+    # Databricks' HorovodRunner(*, np, driver_log_verbosity="log_callback_only").run(main, **kwargs)
+    init = inspect.signature(sparkdl.HorovodRunner).parameters
+    assert init["np"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert init["driver_log_verbosity"].default == "log_callback_only"
+    run = list(inspect.signature(sparkdl.HorovodRunner.run).parameters.values())
+    assert [(p.name, p.kind) for p in run] == [
+        ("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), ("main", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    with pytest.raises(TypeError):
+        sparkdl.HorovodRunner(2)  # type: ignore[misc]
+    # Databricks' raises ValueError for an unknown verbosity, and TypeError, before anything
+    # starts, for keyword arguments main cannot take.
+    with pytest.raises(ValueError, match="driver_log_verbosity"):
+        sparkdl.HorovodRunner(np=2, driver_log_verbosity="none")
+    with pytest.raises(TypeError, match="learning_rate"):
+        sparkdl.HorovodRunner(np=-2).run(hvd_train, learning_rate=0.1)
+
+
+def td_train(lr: float, backend: str = "nccl", steps: int = 10) -> list[float]:
     # As written for pyspark.ml.torch.distributor.TorchDistributor.
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend)
     rank = dist.get_rank()
     torch.manual_seed(0)
     w = torch.zeros(3, requires_grad=True)
     x = torch.arange(6.0).reshape(2, 3) + rank
-    for _ in range(10):
+    for _ in range(steps):
         (x @ w - 1.0).pow(2).mean().backward()
         with torch.no_grad():
             dist.all_reduce(w.grad)
@@ -83,8 +105,11 @@ def td_train(lr: float) -> list[float]:
 def test_torch_distributor_function_matches_sparks_own(spark, no_leaks, local_mode: bool) -> None:  # type: ignore[no-untyped-def]
     from pyspark.ml.torch.distributor import TorchDistributor as SparkTD
 
-    ours = sparkdl.TorchDistributor(num_processes=2, local_mode=local_mode, use_gpu=False).run(td_train, 0.05)
-    theirs = SparkTD(num_processes=2, local_mode=local_mode, use_gpu=False).run(td_train, 0.05)
+    # Keyword arguments reach the function, backend= too, though sparkdl.run has a backend of its
+    # own (without them the function would try NCCL on CPUs and run 10 steps).
+    ours = sparkdl.TorchDistributor(num_processes=2, local_mode=local_mode, use_gpu=False).run(
+        td_train, 0.05, backend="gloo", steps=7)
+    theirs = SparkTD(num_processes=2, local_mode=local_mode, use_gpu=False).run(td_train, 0.05, backend="gloo", steps=7)
     assert ours == pytest.approx(theirs, abs=1e-7)
 
 
@@ -101,12 +126,86 @@ def test_torch_distributor_script_matches_sparks_own(spark, tmp_path, no_leaks, 
     assert ours["w"] == pytest.approx(theirs["w"], abs=1e-7)
 
 
-def test_torch_distributor_defaults_to_gpus_like_sparks(spark) -> None:  # type: ignore[no-untyped-def]
-    # Spark's class defaults to use_gpu=True; without GPU confs both refuse, naming the conf.
-    with pytest.raises(sparkdl.ConfigError, match=r"spark\.task\.resource\.gpu\.amount"):
-        sparkdl.TorchDistributor(num_processes=2, local_mode=False).run(td_train, 0.1)
-    with pytest.raises(sparkdl.ConfigError, match=r"spark\.driver\.resource\.gpu\.amount"):
-        sparkdl.TorchDistributor(num_processes=2).run(td_train, 0.1)
+def test_torch_distributor_signatures_match_sparks() -> None:
+    from pyspark.ml.torch.distributor import TorchDistributor as SparkTD
+
+    def shape(fn: Any, count: int | None = None) -> list[tuple[str, Any, Any]]:
+        params = list(inspect.signature(fn).parameters.values())[:count]
+        return [(p.name, p.kind, p.default) for p in params]
+
+    assert shape(sparkdl.TorchDistributor.run) == shape(SparkTD.run)
+    # Spark's fifth parameter, _ssl_conf, is private.
+    assert shape(sparkdl.TorchDistributor.__init__, 4) == shape(SparkTD.__init__, 4)
+
+
+@pytest.mark.parametrize("local_mode", [False, True])
+def test_torch_distributor_refuses_keywords_for_a_script_like_sparks(spark, local_mode: bool) -> None:  # type: ignore[no-untyped-def]
+    from pyspark.ml.torch.distributor import TorchDistributor as SparkTD
+
+    # Spark's ValueError comes before any process starts in local mode (in a task otherwise);
+    # ours before anything starts, in both modes.
+    with pytest.raises(ValueError):
+        SparkTD(num_processes=2, local_mode=True, use_gpu=False).run(SCRIPT, "--lr", "0.05", epochs=3)
+    with pytest.raises(sparkdl.ConfigError, match=r"keyword arguments \(epochs\).*command-line arguments only"):
+        sparkdl.TorchDistributor(num_processes=2, local_mode=local_mode, use_gpu=False).run(
+            SCRIPT, "--lr", "0.05", epochs=3)
+
+
+@contextlib.contextmanager
+def session_confs(spark: Any, confs: dict[str, str]) -> Iterator[None]:
+    # Both classes read GPU confs through spark.conf, which a running session lets a test set.
+    for key, value in confs.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key in confs:
+            spark.conf.unset(key)
+
+
+SPARK_4 = int(__import__("pyspark").__version__.split(".")[0]) >= 4
+TASK_UNSET = r"'spark\.task\.resource\.gpu\.amount' is unset.*use_gpu=False"
+TASK_GPUS = "spark.task.resource.gpu.amount"
+
+
+@pytest.mark.parametrize(("kwargs", "confs", "raised", "ours_says"), [
+    # Spark's class defaults to use_gpu=True: without GPU confs both refuse at construction.
+    ({"num_processes": 2, "local_mode": False}, {}, RuntimeError, TASK_UNSET),
+    ({"num_processes": 2}, {}, RuntimeError, r"'spark\.driver\.resource\.gpu\.amount' is unset.*use_gpu=False"),
+    # The GPU confs are checked before num_processes, in both.
+    ({"num_processes": 0, "local_mode": False}, {}, RuntimeError, TASK_UNSET),
+    ({"num_processes": 0, "local_mode": False, "use_gpu": False}, {}, ValueError, r"num_processes=0"),
+    ({"num_processes": -2, "local_mode": False}, {TASK_GPUS: "1"}, ValueError, r"num_processes=-2"),
+    # Spark's int("0.5") refuses a fraction of a GPU with a ValueError: ours is one too.
+    ({"num_processes": 2, "local_mode": False}, {TASK_GPUS: "0.5"}, ValueError, r"is 0\.5, not a whole number"),
+    pytest.param({"num_processes": 3, "local_mode": False}, {TASK_GPUS: "2"}, RuntimeError,
+                 r"must be a multiple of spark\.task\.resource\.gpu\.amount.*num_processes=2 or 4",
+                 marks=pytest.mark.skipif(not SPARK_4, reason="pyspark 3.5 takes ceil(3 / 2) tasks")),
+    ({"num_processes": 4, "local_mode": False}, {TASK_GPUS: "2"}, None, ""),
+])
+def test_torch_distributor_constructor_refuses_like_sparks(  # type: ignore[no-untyped-def]
+    spark, kwargs: dict[str, Any], confs: dict[str, str], raised: type[Exception] | None, ours_says: str,
+) -> None:
+    from pyspark.ml.torch.distributor import TorchDistributor as SparkTD
+
+    with session_confs(spark, confs):
+        if raised is None:
+            assert sparkdl.TorchDistributor(**kwargs).num_processes == SparkTD(**kwargs).num_processes == 4
+            return
+        with pytest.raises(raised):
+            SparkTD(**kwargs)
+        with pytest.raises(raised, match=ours_says) as ours:
+            sparkdl.TorchDistributor(**kwargs)
+    assert isinstance(ours.value, sparkdl.ConfigError)
+
+
+def test_torch_distributor_use_gpu_without_a_session(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from pyspark.sql import SparkSession
+
+    # Spark's class needs a session to read the GPU confs from (a RuntimeError without one).
+    monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
+    with pytest.raises(RuntimeError, match=r"active SparkSession.*use_gpu=False"):
+        sparkdl.TorchDistributor(num_processes=2, local_mode=False)
 
 
 def fails_on_rank_1() -> None:
@@ -121,3 +220,31 @@ def fails_on_rank_1() -> None:
 def test_local_mode_failure_gives_the_report_and_leaves_nothing(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(sparkdl.RunFailedError, match=r"Root cause: attempt 0, rank 1 .*ValueError: rank 1 is broken"):
         sparkdl.TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(fails_on_rank_1)
+
+
+def visible_gpus() -> list[str]:
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.environ["CUDA_VISIBLE_DEVICES"])
+    dist.destroy_process_group()
+    return seen
+
+
+@pytest.fixture
+def driver_with_gpus(spark_session, fake_gpus):  # type: ignore[no-untyped-def]
+    """A session whose driver has two (fake) GPUs, 0 and 1; started before no_leaks looks."""
+    return spark_session("local[2]", {"spark.driver.resource.gpu.amount": "2",
+                                      "spark.driver.resource.gpu.discoveryScript": fake_gpus(2)})
+
+
+def test_torch_distributor_local_mode_takes_the_drivers_gpus_like_sparks(driver_with_gpus, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    # Last in this module: it switches sessions.
+    from pyspark.ml.torch.distributor import TorchDistributor as SparkTD
+
+    # Spark's class lowers num_processes to the driver's GPUs at construction; so does ours.
+    assert sparkdl.TorchDistributor(num_processes=3).num_processes == SparkTD(num_processes=3).num_processes == 2
+    assert sorted(sparkdl.TorchDistributor(num_processes=2).run(visible_gpus)) == ["0", "1"]
