@@ -8,7 +8,11 @@ TorchDistributor's tasks return without reading their input, so Spark retires th
 workers; each sparkdl run after one starts on new Python workers, and what keeps it warm is the
 executor's zygote (see the README's "Warm start"), which outlives them.
 
-    .venv/bin/python benchmarks/bench_launch.py [--runs 5] [--master local[2]]
+    .venv/bin/python benchmarks/bench_launch.py [--runs 5] [--master local[2]] [--remote [URL]]
+
+``--remote``: the same over Spark Connect, both launchers on a Connect client session; with no
+URL, a Connect server of ``--master`` is started on 127.0.0.1 for the run (tools/connect_server.py).
+Compare its medians with a classic run's on the same machine.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5, help="timed runs of each launcher (default 5)")
     parser.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    parser.add_argument("--remote", nargs="?", const="start", metavar="URL",
+                        help="over Spark Connect: sc://host:port, or none to start a server of --master")
     args = parser.parse_args()
 
     from pyspark.ml.torch.distributor import TorchDistributor
@@ -64,15 +70,24 @@ def main() -> None:
 
     import sparkdl
 
-    spark = (
-        SparkSession.builder.master(args.master)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    server = None
+    if args.remote:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+        from connect_server import ConnectServer
+
+        server = ConnectServer(args.master).start() if args.remote == "start" else None
+        spark = SparkSession.builder.remote(server.url if server else args.remote).getOrCreate()
+        print(f"Spark Connect client of {server.url if server else args.remote} (master {args.master})", flush=True)
+    else:
+        spark = (
+            SparkSession.builder.master(args.master)
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.driver.host", "127.0.0.1")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .getOrCreate()
+        )
+        spark.sparkContext.setLogLevel("ERROR")
     quiet = sparkdl.RunConfig(echo_logs=False)
 
     def run_sparkdl() -> object:
@@ -95,6 +110,8 @@ def main() -> None:
     print(f"TorchDistributor (2 procs, warm)     median {m_theirs:.2f} s  (min {min(theirs):.2f}, max {max(theirs):.2f})")
     print(f"ratio sparkdl / TorchDistributor     {m_ours / m_theirs:.3f}  (target <= 0.25)")
     spark.stop()
+    if server is not None:
+        server.cleanup()
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def write_cached(
     tmp_url = f"{cache_url}/.tmp-{key}-{uuid.uuid4().hex[:8]}"
     tmp_root = filesystem(tmp_url, None)[1]
     try:
-        spark_write(selected, tmp_url, "errorifexists", options)
+        spark_write(selected, tmp_url, "error", options)
         manifest = finish_manifest(spark, fs, tmp_root, tmp_url, array_columns, key=key)
         if exists(fs, root, url):  # a stale entry without a valid manifest, or a racing writer
             if path_info(fs, manifest_path, url).type == pafs.FileType.File:

@@ -126,7 +126,7 @@ def write_dataset(
     fs, root = filesystem(url, None)
     _check_target(fs, root, url, overwrite)
     check_not_empty(df)
-    spark_write(selected, url, "overwrite" if exists(fs, root, url) else "errorifexists", options)
+    spark_write(selected, url, "overwrite" if exists(fs, root, url) else "error", options)
     manifest = finish_manifest(spark, fs, root, url, array_columns, key=None)
     return written(url, manifest)
 

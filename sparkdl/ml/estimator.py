@@ -25,7 +25,7 @@ from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, SparkDLError
-from sparkdl.ml.columns import features_expr, inspect_columns, label_expr
+from sparkdl.ml.columns import features_expr, inspect_columns, label_expr, refuse_connect
 from sparkdl.ml.model import TorchModel
 from sparkdl.ml.params import EstimatorParams, check_backend
 from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable
@@ -277,6 +277,7 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
         from sparkdl.data import write_dataset
         from sparkdl.driver.run import run
 
+        refuse_connect(dataset, "TorchEstimator.fit")
         if not self.isDefined(self.model):
             raise ConfigError(
                 "TorchEstimator needs a model: pass model=<torch.nn.Module or zero-argument factory>"

@@ -13,7 +13,7 @@ from pyspark.ml.base import Model
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
 from sparkdl.errors import ConfigError
-from sparkdl.ml.columns import check_features_type, features_expr
+from sparkdl.ml.columns import check_features_type, features_expr, refuse_connect
 from sparkdl.ml.params import ScoringParams
 from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable
 from sparkdl.ml.plan import REGRESSION
@@ -200,6 +200,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
     def _transform(self, dataset: DataFrame) -> DataFrame:
         from sparkdl.driver.cluster import resolve_gpu
 
+        refuse_connect(dataset, "TorchModel.transform")
         self._require_bytes()
         features_col, prediction_col = self.getFeaturesCol(), self.getPredictionCol()
         check_features_type(dataset, features_col)

@@ -1,0 +1,105 @@
+"""sparkdl from a Spark Connect client, against a real Connect server on 127.0.0.1.
+
+The server is pip pyspark 4's own (``SparkConnectServer`` by spark-submit, tools/connect_server.py),
+``local[2]``; each scenario is a client program of its own (tests/resources/connect_client.py)
+whose session is ``SparkSession.builder.remote("sc://127.0.0.1:PORT")``: no SparkContext, no
+py4j, only gRPC. Connect is tested on the modern stack (pyspark 4); the classic stack skips here.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from connect_server import ConnectServer, connect_available
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIENT = ROOT / "tests" / "resources" / "connect_client.py"
+
+pytestmark = [pytest.mark.spark]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ConnectServer]:
+    if reason := connect_available():
+        pytest.skip(reason)
+    with ConnectServer("local[2]", confs={"spark.sql.shuffle.partitions": "2"}) as s:
+        yield s
+
+
+def client(server: ConnectServer, scenario: str, work: Path, timeout: float = 240) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, str(CLIENT), server.url, scenario, str(work)], capture_output=True,
+                         text=True, timeout=timeout, cwd=work)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{server.tail()}"
+    result: dict[str, Any] = json.loads(lines[-1].split(" ", 1)[1])
+    result["stdout"] = out.stdout
+    return result
+
+
+def test_ddp_over_connect_resumes_a_sigkilled_rank_bitwise_equal(server: ConnectServer, tmp_path: Path) -> None:
+    r = client(server, "train", tmp_path)
+    assert r["rows"] == [320, 320]  # written by write_dataset over Connect, and reopened
+    faulted, clean = r["faulted"], r["clean"]
+    # Rank 1 was SIGKILLed at step 7 of attempt 0: Spark reran the gang, which resumed from the
+    # checkpoint of step 4 (the run's first).
+    assert r["attempts"] == 2 and faulted["attempt"] == 1 and faulted["restored_from"] == 1, r
+    assert clean["attempt"] == 0 and clean["restored_from"] is None
+    assert faulted["steps"] == clean["steps"] == 2 * 320 // (2 * 16)
+    assert faulted["weights"] == clean["weights"]
+    # The ranks' output reached the client live over the channel, tagged.
+    assert "[rank 0, attempt 1] trained to step 20 on attempt 1" in r["stdout"]
+    assert "[rank 1] trained to step 20 on attempt 0" in r["stdout"]
+
+
+def test_a_stopped_run_cancels_its_spark_job_by_tag(server: ConnectServer, tmp_path: Path) -> None:
+    r = client(server, "stop", tmp_path)
+    assert r["error"] and "stopped early" in r["error"] and "the same error every time" in r["error"], r["error"]
+    # Two attempts of two ranks ran, and nothing after the driver stopped: Spark's own reruns of
+    # the stage (spark.stage.maxConsecutiveAttempts=4) were interrupted with the job's tag.
+    assert sorted(r["calls"]) == ["0 0", "0 1", "1 0", "1 1"], r["calls"]
+
+
+def test_too_few_slots_fail_fast_over_connect(server: ConnectServer, tmp_path: Path) -> None:
+    r = client(server, "slots", tmp_path)
+    assert r["required"] == 3 and r["available"] == 2
+    assert "master local[2]" in r["error"] and "Spark Connect" in r["error"], r["error"]
+    assert r["elapsed"] < 5  # slot_wait_s is 10 s: over Connect, no busy slot is waited for
+
+
+def test_the_drop_ins_run_over_connect_like_sparks(server: ConnectServer, tmp_path: Path) -> None:
+    r = client(server, "dropins", tmp_path)
+    assert r["td"] == 2.0 * 3.0 * 2  # run(fn, *args, **kwargs) reached the function on 2 ranks
+    assert r["gpu"][1] and "spark.task.resource.gpu.amount" in r["gpu"][3], r["gpu"]  # a RuntimeError
+    assert r["script"][2] and "epochs" in r["script"][3], r["script"]  # a ValueError
+    assert r["hvd"] == 10.0
+    # The Spark ML path needs a classic session still: a clear refusal, not an AttributeError.
+    assert "TorchEstimator.fit does not run over Spark Connect yet" in r["estimator"], r["estimator"]
+
+
+def test_a_client_that_dies_mid_run_leaves_no_rank_running(server: ConnectServer, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(CLIENT), server.url, "orphan", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        pid_files = [tmp_path / f"pid-{r}" for r in range(2)]
+        while not all(p.exists() and p.read_text() for p in pid_files):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        ranks = [int(p.read_text()) for p in pid_files]
+        assert all(psutil.pid_exists(pid) for pid in ranks)
+    finally:
+        proc.send_signal(signal.SIGKILL)  # no clean-up of its own: the server outlives it
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 60
+    while alive := [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, f"ranks {alive} still run 60 s after their client died"
+        time.sleep(0.2)
