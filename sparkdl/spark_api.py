@@ -43,15 +43,14 @@ def is_local_master(master: str) -> bool:
 
 def master_slots(master: str, task_cpus: int) -> int | None:
     """Task slots a master URL itself fixes (``local[4]``, ``local-cluster[2,2,1024]``), else None."""
+    cpus = max(1, task_cpus)
     if master == "local":
-        cores = 1
-    elif m := re.fullmatch(r"local\[(\d+)(?:,\s*\d+)?\]", master):
-        cores = int(m.group(1))
-    elif m := re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master):
-        cores = int(m.group(1)) * int(m.group(2))
-    else:
-        return None
-    return cores // max(1, task_cpus)
+        return 1 // cpus
+    if m := re.fullmatch(r"local\[(\d+)(?:,\s*\d+)?\]", master):
+        return int(m.group(1)) // cpus
+    if m := re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master):
+        return int(m.group(1)) * (int(m.group(2)) // cpus)  # a task runs within one worker's cores
+    return None
 
 
 class SparkApi:
@@ -76,19 +75,13 @@ class SparkApi:
     def local(self) -> bool:
         return is_local_master(self.master)
 
-    @property
-    def app_id(self) -> str:
-        return str(self.confs().get("spark.app.id", "") or "")
-
     def default_parallelism(self) -> int:
+        """Spark's default number of partitions: spark.default.parallelism, else the master's slots."""
         conf = self.confs()
         given = conf.get("spark.default.parallelism", None)
         if given:
             return max(1, int(given))
         return max(1, master_slots(self.master, 1) or 2)
-
-    def stopped(self) -> bool:
-        raise NotImplementedError
 
     # ---- slots ---------------------------------------------------------------------------------
 
@@ -150,15 +143,8 @@ class ClassicApi(SparkApi):
     def master(self) -> str:
         return str(self.sc.master)
 
-    @property
-    def app_id(self) -> str:
-        return str(self.sc.applicationId)
-
     def default_parallelism(self) -> int:
         return max(1, int(self.sc.defaultParallelism))
-
-    def stopped(self) -> bool:
-        return self.sc._jsc is None
 
     def task_slots(self) -> int | None:
         try:
@@ -253,9 +239,6 @@ class ConnectApi(SparkApi):
         if self._confs is None:  # one round trip for all of them
             self._confs = dict(self.session.conf.getAll)
         return self._confs
-
-    def stopped(self) -> bool:
-        return bool(getattr(self.session, "is_stopped", False))
 
     def tag_jobs(self, tag: str, description: str) -> None:
         self.session.addTag(tag)

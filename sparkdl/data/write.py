@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from sparkdl import spark_api
 from sparkdl._validate import is_int
 from sparkdl.data.cache import write_cached
 from sparkdl.data.dataset import Dataset, written
@@ -15,7 +16,7 @@ from sparkdl.storage import filesystem, redact, unreachable
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
-    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame
 
 _DEFAULT_ROW_GROUP_BYTES = 8 * 1024 * 1024
 
@@ -107,7 +108,7 @@ def write_dataset(
             )
     spark = df.sparkSession
     if num_files is None:
-        num_files = _default_parallelism(spark)
+        num_files = spark_api.of(spark).default_parallelism()
     if not is_int(num_files) or num_files < 1:
         raise ConfigError(f"num_files={num_files!r}: give an integer >= 1")
     selected, array_columns = _select_for_feeding(df, vector_dtype)
@@ -129,13 +130,6 @@ def write_dataset(
     spark_write(selected, url, "overwrite" if exists(fs, root, url) else "error", options)
     manifest = finish_manifest(spark, fs, root, url, array_columns, key=None)
     return written(url, manifest)
-
-
-def _default_parallelism(spark: SparkSession) -> int:
-    try:
-        return max(1, int(spark.sparkContext.defaultParallelism))
-    except Exception:  # Spark Connect has no SparkContext
-        return max(1, int(spark.conf.get("spark.default.parallelism", None) or 2))
 
 
 def _select_for_feeding(df: DataFrame, vector_dtype: str) -> tuple[DataFrame, list[str]]:
