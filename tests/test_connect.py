@@ -28,10 +28,11 @@ pytestmark = [pytest.mark.spark]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ConnectServer]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
     if reason := connect_available():
         pytest.skip(reason)
-    with ConnectServer("local[2]", confs={"spark.sql.shuffle.partitions": "2"}) as s:
+    cache = tmp_path_factory.mktemp("connect-cache")
+    with ConnectServer("local[2]", confs={"spark.sql.shuffle.partitions": "2", "spark.sparkdl.cacheDir": str(cache)}) as s:
         yield s
 
 
@@ -48,6 +49,8 @@ def client(server: ConnectServer, scenario: str, work: Path, timeout: float = 24
 def test_ddp_over_connect_resumes_a_sigkilled_rank_bitwise_equal(server: ConnectServer, tmp_path: Path) -> None:
     r = client(server, "train", tmp_path)
     assert r["rows"] == [320, 320]  # written by write_dataset over Connect, and reopened
+    first, again, other = r["cached"]
+    assert first == again != other  # write_dataset(df) without a path: its plan cache over Connect
     faulted, clean = r["faulted"], r["clean"]
     # Rank 1 was SIGKILLed at step 7 of attempt 0: Spark reran the gang, which resumed from the
     # checkpoint of step 4 (the run's first).

@@ -62,8 +62,12 @@ def scenario_train(spark: Any, work: str) -> dict[str, Any]:
     again = sparkdl.Dataset(f"{work}/data")  # reopened from its manifest
     faulted = sparkdl.launch(train, ds, 1, num_workers=2, checkpoint_dir=f"{work}/ckpt-faulted")
     clean = sparkdl.run(train, ds, None, num_workers=2, checkpoint_dir=f"{work}/ckpt-clean")
+    # The plan cache (path=None): the same DataFrame twice is one entry, another one is not.
+    small = spark.createDataFrame([(i, [float(i)], float(i % 2)) for i in range(50)], "id long, x array<float>, y double")
+    cached = [sparkdl.write_dataset(small).url, sparkdl.write_dataset(small).url,
+              sparkdl.write_dataset(small.filter("id < 40")).url]
     return {"faulted": faulted.value, "attempts": faulted.attempts, "clean": clean,
-            "rows": [ds.num_rows, again.num_rows]}
+            "rows": [ds.num_rows, again.num_rows], "cached": cached}
 
 
 def boom(log: str) -> None:
