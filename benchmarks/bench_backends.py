@@ -81,18 +81,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="training steps per rank (default 200)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden width of the MLP (default 1024)")
     args = parser.parse_args()
-    from pyspark.sql import SparkSession
-
     import sparkdl
+    from sparkdl.session import create_session
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .getOrCreate()
-    )
+    spark = create_session("local[2]", {"spark.ui.enabled": "false"}, "sparkdl-bench", "local[2]")
     spark.sparkContext.setLogLevel("ERROR")
     quiet = sparkdl.RunConfig(echo_logs=False)
     t_ddp = sparkdl.run(ddp, args.steps, args.hidden, num_workers=2, config=quiet)

@@ -69,6 +69,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     import sparkdl
+    from sparkdl.session import create_session
 
     server = None
     if args.remote:
@@ -79,14 +80,7 @@ def main() -> None:
         spark = SparkSession.builder.remote(server.url if server else args.remote).getOrCreate()
         print(f"Spark Connect client of {server.url if server else args.remote} (master {args.master})", flush=True)
     else:
-        spark = (
-            SparkSession.builder.master(args.master)
-            .config("spark.ui.enabled", "false")
-            .config("spark.ui.showConsoleProgress", "false")
-            .config("spark.driver.host", "127.0.0.1")
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .getOrCreate()
-        )
+        spark = create_session(args.master, {"spark.ui.enabled": "false"}, "sparkdl-bench", "local[2]")
         spark.sparkContext.setLogLevel("ERROR")
     quiet = sparkdl.RunConfig(echo_logs=False)
 
