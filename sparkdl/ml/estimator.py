@@ -277,11 +277,11 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
         from sparkdl.data import write_dataset
         from sparkdl.driver.run import run
 
-        refuse_connect(dataset, "TorchEstimator.fit")
         if not self.isDefined(self.model):
             raise ConfigError(
                 "TorchEstimator needs a model: pass model=<torch.nn.Module or zero-argument factory>"
             )
+        refuse_connect(dataset, "TorchEstimator.fit")
         plan = self._plan()
         facts = inspect_columns(dataset, plan)
         driver_module, num_outputs = probe(dataset, plan, facts)

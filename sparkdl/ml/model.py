@@ -200,8 +200,8 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
     def _transform(self, dataset: DataFrame) -> DataFrame:
         from sparkdl.driver.cluster import resolve_gpu
 
-        refuse_connect(dataset, "TorchModel.transform")
         self._require_bytes()
+        refuse_connect(dataset, "TorchModel.transform")
         features_col, prediction_col = self.getFeaturesCol(), self.getPredictionCol()
         check_features_type(dataset, features_col)
         if prediction_col in dataset.columns:
