@@ -23,6 +23,7 @@ from pyspark import keyword_only
 from pyspark.ml.base import Estimator
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
+from sparkdl import spark_api
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.ml.columns import features_expr, inspect_columns, label_expr, refuse_connect
@@ -365,5 +366,5 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
 
 def _num_files(session: SparkSession, num_workers: int) -> int:
     # A multiple of the ranks keeps each rank on whole files.
-    parallelism = max(1, int(session.sparkContext.defaultParallelism))
+    parallelism = spark_api.of(session).default_parallelism()
     return num_workers * max(1, -(-parallelism // num_workers))
