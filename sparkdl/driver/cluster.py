@@ -63,10 +63,11 @@ def check_cluster(api: SparkApi, num_workers: int, cfg: RunConfig) -> None:
         free = total - (busy or 0)
         if free >= num_workers:
             return
-        if busy is None or time.monotonic() >= deadline:  # nothing to wait for when none is busy
+        if api.remote or time.monotonic() >= deadline:  # Connect sees no busy slot to wait for
             break
         time.sleep(0.2)
-    waited = f"after waiting {cfg.slot_wait_s:g} s (RunConfig.slot_wait_s)" if busy is not None else "(Spark Connect)"
+    waited = ("(Spark Connect shows no busy slots: none was waited for)" if api.remote
+              else f"after waiting {cfg.slot_wait_s:g} s (RunConfig.slot_wait_s)")
     task_cpus = conf.get("spark.task.cpus", "1")
     gpu_part = ""
     if conf.get("spark.task.resource.gpu.amount", None):
