@@ -20,9 +20,17 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from sparkdl.errors import ConfigError
+
 # Where the ranks' channel back to the driver listens, when the default address is not the one
 # the executors reach this driver (or Spark Connect client) at.
 CHANNEL_HOST_CONF = "spark.sparkdl.channelHost"
+# How the ranks report to the driver: "direct" (live, over the channel to this driver), "relay"
+# (through Spark itself, at the end of each attempt: sparkdl.driver.relay), "auto" (direct when
+# the executors reach this driver, else relay). Default: direct on a classic session, whose
+# executors reach its driver by construction; auto on Spark Connect.
+CHANNEL_MODE_CONF = "spark.sparkdl.channel"
+CHANNEL_MODES = ("direct", "relay", "auto")
 LOOPBACK = "127.0.0.1"
 
 
@@ -113,6 +121,14 @@ class SparkApi:
         """Cancels the running jobs of ``tag`` and kills their tasks."""
         raise NotImplementedError
 
+    def server_down(self) -> str | None:
+        """Why the Spark Connect server cannot be reached now (one TCP connect), None when it can
+        or for a classic session (its driver is this process)."""
+        return None
+
+    def abandon(self) -> None:
+        """The Spark Connect server is gone, and the session with it: its client stops retrying."""
+
     @contextlib.contextmanager
     def executor_python(self) -> Iterator[None]:
         """While a run builds its stages: the executors' Python, where the driver chooses it."""
@@ -127,6 +143,20 @@ class SparkApi:
     def channel_host(self) -> str:
         """The address the ranks' tasks reach this driver's channel at."""
         raise NotImplementedError
+
+    default_channel_mode = "direct"
+
+    def channel_mode(self) -> str:
+        """spark.sparkdl.channel: "direct", "relay" or "auto" (see :data:`CHANNEL_MODE_CONF`); read
+        from the session's runtime conf, so ``spark.conf.set`` chooses it for the next run."""
+        mode = str(self.session.conf.get(CHANNEL_MODE_CONF, None) or self.default_channel_mode).strip().lower()
+        if mode not in CHANNEL_MODES:
+            raise ConfigError(
+                f"{CHANNEL_MODE_CONF}={mode!r} is not one of {', '.join(CHANNEL_MODES)}: \"direct\" when the "
+                "executors reach this driver (live logs), \"relay\" when they cannot (logs and the failure "
+                "report come back through Spark at the end of each attempt), \"auto\" to let the tasks find out"
+            )
+        return mode
 
 
 class ClassicApi(SparkApi):
@@ -230,6 +260,7 @@ class ConnectApi(SparkApi):
     """A Spark Connect client session: the driver is a server elsewhere, reached over gRPC."""
 
     remote = True
+    default_channel_mode = "auto"
 
     def __init__(self, session: Any) -> None:
         super().__init__(session)
@@ -248,6 +279,20 @@ class ConnectApi(SparkApi):
 
     def cancel(self, tag: str) -> None:
         self.session.interruptTag(tag)
+
+    def server_down(self) -> str | None:
+        host, port = self.server
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return None
+        except OSError as exc:
+            return f"the Spark Connect server at {host}:{port} does not answer ({exc.strerror or exc})"
+
+    def abandon(self) -> None:
+        # The server's state went with it: the session cannot go on, even on a restarted server
+        # (its client refuses a changed server-side session). Closing its channel ends the calls
+        # that pyspark would otherwise retry for minutes, which would also hold up the exit.
+        self.session.client.close()
 
     @property
     def server(self) -> tuple[str, int]:

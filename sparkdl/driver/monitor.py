@@ -63,8 +63,12 @@ class Monitor:
         store: CheckpointStore | None,
         metrics: MetricsLog,
         progress: Progress,
+        *,
+        first_attempt: int = 0,
     ) -> None:
         self.num_workers = num_workers
+        # The number of the first gang that joins (a relay hub's gang continues the driver's count).
+        self.first_attempt = first_attempt
         self.max_attempts = max_attempts
         self.cfg = cfg
         self.store = store
@@ -131,7 +135,7 @@ class Monitor:
             if len(msg.tids) != self.num_workers:
                 # A straggler of a Spark job stopped to run the gang on fewer ranks: not an attempt.
                 return GoAhead(False, reason=f"the run goes on with {self.num_workers} ranks, not {len(msg.tids)}")
-            attempt = self._gangs.setdefault(msg.tids, len(self._gangs))
+            attempt = self._gangs.setdefault(msg.tids, self.first_attempt + len(self._gangs))
             refuse = self.stopping or (
                 f"attempt {attempt} exceeds max_attempts={self.max_attempts}" if attempt >= self.max_attempts else None
             )
@@ -259,6 +263,13 @@ class Monitor:
             if rec is not None and msg.text:
                 rec.stack, rec.stack_when = msg.text, self._asked[key]
             self.cond.notify_all()
+
+    def relayed_stacks(self, attempt: int, rank: int, text: str, when: str | None) -> None:
+        """A rank's stacks as the relay hub gathered them (sparkdl.driver.relay)."""
+        with self.cond:
+            rec = self.records.get((attempt, rank))
+            if rec is not None and text:
+                rec.stack, rec.stack_when = text, when
 
     def collect_stacks(self, wait_s: float = STACKS_WAIT_S, *, ask: bool = True) -> None:
         """Before the driver stops an attempt: asks every running rank for its stacks (with

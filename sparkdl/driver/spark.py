@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import re
 import secrets
 import threading
 import time
@@ -23,21 +22,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sparkdl.config import RunConfig
-from sparkdl.driver import policy
-from sparkdl.driver.cluster import executor_error
+from sparkdl.driver import policy, relay
+from sparkdl.driver.failure import failure
 from sparkdl.driver.launcher import Job, Launcher
 from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.report import RankRecord, build_report
 from sparkdl.errors import (
-    ConfigError,
-    InsufficientSlotsError,
-    RunFailedError,
-    RunTimeoutError,
     SparkDLError,
 )
 from sparkdl.reach import Marker
 from sparkdl.spark_api import SparkApi
-from sparkdl.storage import redact
 from sparkdl.task.main import TaskPayload, task_main
 from sparkdl.wire.channel import ChannelServer
 
@@ -47,6 +40,9 @@ if TYPE_CHECKING:
 _RESULT_SCHEMA = "chunk long, data binary"
 # How often the driver looks at its ranks' state, and at the cluster's free slots after a failure.
 _POLL_S = 0.25
+# How often a Spark Connect server is asked whether it is there, and how long it may not answer.
+_SERVER_POLL_S = 2.0
+_SERVER_DOWN_S = 10.0
 log = logging.getLogger(__name__)
 
 
@@ -57,6 +53,10 @@ class _Outcome:
     result: bytes | None = None
     error: BaseException | None = None
     verdict: policy.Verdict | None = None
+    # The attempt as the relay hub recorded it, when the ranks could not reach this driver.
+    relayed: relay.Replayed | None = None
+    # Why the Spark Connect server is taken for gone (it refuses connections), when it is.
+    gone: str | None = None
 
 
 class SparkLauncher(Launcher):
@@ -72,15 +72,29 @@ class SparkLauncher(Launcher):
         with api.executor_python(), ChannelServer(api.channel_host(), secret, monitor.on_message, monitor.on_close,
                                                   handshake_timeout_s=cfg.handshake_timeout_s) as server:
             # In local mode the ranks' listeners (TCPStore, gloo) are on loopback too.
+            mode = api.channel_mode()
+            said = False
             payload = TaskPayload(job.run, job.fn_bytes, secret.hex(), server.address[0], server.address[1],
-                                  rank_host="127.0.0.1" if api.local else None, checkpoints=self.checkpoints)
+                                  rank_host="127.0.0.1" if api.local else None, checkpoints=self.checkpoints,
+                                  channel=mode, hub=relay.Hub if mode != "direct" else None)
             job_index = 0
             watch = _SlotWatch(api)
             while True:
+                before = monitor.attempts_seen()
+                payload = dataclasses.replace(payload, first_attempt=before)
                 outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg, watch)
                 job_index += 1
+                if outcome.relayed is not None and not said:
+                    said = True
+                    log.warning("sparkdl: the ranks could not reach this driver at %s:%d: their output and "
+                                "ends came back through Spark at the end of each attempt (spark.sparkdl.channel=%s)",
+                                *server.address, mode)
                 if outcome.result is not None:
                     return outcome.result
+                if monitor.attempts_seen() == before and outcome.verdict is None and before > 0:
+                    # No gang formed in this job (its tasks failed before they reported): another
+                    # job would fail the same way.
+                    raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
                 verdict = outcome.verdict
                 if verdict is not None and verdict.decision is policy.Decision.RERUN and verdict.world_size:
                     payload = _shrunk(payload, verdict.world_size, job.run.world_size, monitor)
@@ -91,7 +105,7 @@ class SparkLauncher(Launcher):
                     max_attempts=job.max_attempts,
                 )
                 if decision is not policy.Decision.RERUN:
-                    raise _failure(monitor, outcome, job.max_attempts, python=api.python_exec)
+                    raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
 
     def _run_job(
         self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig, watch: _SlotWatch
@@ -110,9 +124,16 @@ class SparkLauncher(Launcher):
                     .repartition(1)
                 )
                 chunks = _collect_chunks(df)
-                if not chunks:
+                # Chunks -1, -2, ...: the relay hub's record of the attempt (sparkdl.driver.relay).
+                record = b"".join(data for index, data in sorted(chunks, reverse=True) if index < 0)
+                if record:
+                    outcome.relayed = relay.replay(record, bytes.fromhex(payload.secret_hex), payload.run.run_id,
+                                                   payload.first_attempt, monitor)
+                result = [data for index, data in chunks if index >= 0]
+                if result:
+                    outcome.result = b"".join(result)
+                elif not record:
                     raise SparkDLError("rank 0 finished but sent no return value back (internal error)")
-                outcome.result = b"".join(data for _, data in chunks)
             except BaseException as exc:
                 outcome.error = exc
             finally:
@@ -122,14 +143,25 @@ class SparkLauncher(Launcher):
                     monitor.cond.notify_all()
 
         started = time.monotonic()
+        gangs = monitor.attempts_seen()
+        server = _ServerWatch(api)
         thread = _job_thread(api, job, f"sparkdl-job-{group}")
         thread.start()
         try:
             while not done.is_set():
+                # No gang reported in this job: it may report through its relay hub, at its end.
+                quiet = payload.channel != "direct" and monitor.attempts_seen() == gangs
                 # Spark is asked outside the lock, which the channel's handlers need.
-                slots = watch.poll(group, n, waiting=monitor.awaiting_gang())
+                waiting = monitor.awaiting_gang()
+                slots = watch.poll(group, n, waiting=waiting)
+                outcome.gone = server.poll(quiet or waiting)
                 with monitor.cond:
-                    verdict = monitor.check(started, slots)
+                    if outcome.gone is not None:
+                        verdict = policy.Verdict(policy.Decision.STOP, outcome.gone)
+                    elif quiet:
+                        verdict = _blind_check(started, cfg)
+                    else:
+                        verdict = monitor.check(started, slots)
                     if verdict.decision is not policy.Decision.WAIT:
                         outcome.verdict = verdict
                         monitor.stopping = verdict.reason
@@ -139,23 +171,89 @@ class SparkLauncher(Launcher):
         except BaseException:
             # Ctrl-C in a notebook or console: stop the gang before giving control back.
             monitor.stopping = "the driver was interrupted"
-            api.cancel(group)
+            _cancel(api, group, cfg.kill_grace_s)
             done.wait(cfg.kill_grace_s)
             raise
-        if outcome.verdict is not None:
+        if outcome.gone is not None:
+            # Nothing to cancel: the job went with the server. Its call may retry for minutes.
+            abandon = threading.Thread(target=api.abandon, name="sparkdl-abandon", daemon=True)
+            abandon.start()
+            abandon.join(cfg.kill_grace_s)
+            done.wait(cfg.kill_grace_s)
+            outcome.result = None
+        elif outcome.verdict is not None:
             try:
                 # Where each running rank is, for the report, before their tasks are killed (bounded).
                 monitor.collect_stacks()
             finally:
-                api.cancel(group)
+                _cancel(api, group, cfg.kill_grace_s)
             done.wait(cfg.kill_grace_s)
             outcome.result = None
         else:
             thread.join()
-            if outcome.result is None:
+            if outcome.result is None and outcome.relayed is None:
                 # The stacks the last failure asked for may still be on their way.
                 monitor.collect_stacks(ask=False)
+            elif outcome.result is None and outcome.relayed is not None:
+                outcome.verdict = _after_relay(outcome.relayed, monitor, started)
         return outcome
+
+
+class _ServerWatch:
+    """Whether a Spark Connect server is gone, asked while the driver hears nothing from a gang
+    (its ranks were lost, or report only at their end): a server that has not answered for
+    :data:`_SERVER_DOWN_S` is taken for gone, and the ranks with it. Spark Connect's client itself
+    retries for minutes before the job's own call fails."""
+
+    def __init__(self, api: SparkApi) -> None:
+        self._api = api
+        self._down_since: float | None = None
+        self._asked = 0.0
+
+    def poll(self, listening: bool) -> str | None:
+        now = time.monotonic()
+        if not self._api.remote or not listening:
+            self._down_since = None
+            return None
+        if now - self._asked < _SERVER_POLL_S:
+            return None
+        self._asked = now
+        why = self._api.server_down()
+        if why is None:
+            self._down_since = None
+            return None
+        self._down_since = self._down_since or now
+        return why if now - self._down_since >= _SERVER_DOWN_S else None
+
+
+def _cancel(api: SparkApi, group: str, wait_s: float) -> None:
+    """Cancels the job, within ``wait_s`` (over Spark Connect a call may retry for minutes)."""
+    thread = threading.Thread(target=api.cancel, args=(group,), name="sparkdl-cancel", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+
+
+def _blind_check(started: float, cfg: RunConfig) -> policy.Verdict:
+    """The driver's bound on a job whose ranks report through the relay hub (at their end)."""
+    bound = relay.blind_bound(cfg)
+    if bound is not None and time.monotonic() - started > bound:
+        return policy.Verdict(
+            policy.Decision.STOP,
+            f"no word from the ranks within start_timeout_s + timeout_s = {bound:g} s: they report through "
+            "Spark at the end of each attempt (the executors do not reach this driver: spark.sparkdl.channel)",
+            timed_out=True,
+        )
+    return policy.Verdict(policy.Decision.WAIT)
+
+
+def _after_relay(relayed: relay.Replayed, monitor: Monitor, started: float) -> policy.Verdict | None:
+    """A relayed attempt ended without rank 0's result: whether the run stops (the hub's bound,
+    or the failure policy on the replayed attempt), or None to go on in a new job."""
+    if relayed.stop is not None and relayed.timed_out:
+        return policy.Verdict(policy.Decision.STOP, relayed.stop, timed_out=True)
+    with monitor.cond:
+        verdict = monitor.check(started)
+    return verdict if verdict.decision is policy.Decision.STOP else None
 
 
 class _SlotWatch:
@@ -219,79 +317,3 @@ def _collect_chunks(df: Any) -> list[tuple[int, bytes]]:
     # pyspark 3.5
     batches = df._collect_as_arrow()
     return sorted(pair for b in batches for pair in zip(b.column(0).to_pylist(), b.column(1).to_pylist(), strict=True))
-
-
-def _spark_error_text(exc: BaseException | None) -> str | None:
-    if exc is None:
-        return None
-    text = str(exc)
-    match = re.search(r"(RankFailed|SparkException|Exception)[:\s].*", text)
-    return match.group(0) if match else text
-
-
-def _failure(monitor: Monitor, outcome: _Outcome, max_attempts: int, python: str = "?") -> SparkDLError:
-    if monitor.unshared is not None:
-        return _unshared(monitor.unshared, monitor.store.url if monitor.store else "?")
-    records = monitor.sorted_records()
-    spark_error = _spark_error_text(outcome.error)
-    verdict = outcome.verdict
-    if verdict is not None and verdict.slots is not None:
-        return _unschedulable(records, verdict.slots, verdict.reason or "", monitor.attempts_seen())
-    timed_out = verdict is not None and verdict.timed_out
-    stop_reason = verdict.reason if verdict is not None else None
-    if not records:
-        # The executor's own Python error, not Spark's wrapper of it ("Exception thrown in awaitResult").
-        error = executor_error(outcome.error)
-        if error is not None and ("ModuleNotFoundError" in error or "ImportError" in error):
-            return ConfigError(
-                f"the executors' Python ({python}) cannot run sparkdl: {error}. Install sparkdl, torch "
-                "and pyarrow where the executors run, or point spark.pyspark.python (PYSPARK_PYTHON) "
-                "at an interpreter that has them on every executor host"
-            )
-        if timed_out and stop_reason:
-            return RunTimeoutError(f"sparkdl.run stopped: {stop_reason}", attempts=0, root_cause=stop_reason)
-        cause = f"the executor's Python raised {error} ({python})" if error else spark_error
-        return RunFailedError(
-            f"sparkdl.run failed before any rank started: {cause}", attempts=0, root_cause=str(error or spark_error)
-        )
-    attempts = monitor.attempts_seen()
-    if timed_out and stop_reason:
-        headline = f"sparkdl.run stopped on attempt {attempts - 1}: {stop_reason}."
-        hint = "Raise the bound named above if the run needs longer."
-        report, _ = build_report(records, headline=headline, hint=hint, spark_error=None)
-        return RunTimeoutError(report, attempts=attempts, root_cause=stop_reason)
-    headline = f"sparkdl.run failed after {attempts} attempt(s) of the gang (max_attempts={max_attempts})."
-    if monitor.gave_up:
-        headline += (
-            f" It stopped early: {monitor.gave_up}. To rerun anyway, set "
-            "RunConfig(stop_on_repeated_error=False)."
-        )
-    hint = (
-        "Fix the root cause above; to allow more reruns of the gang, raise max_attempts "
-        f"(now {max_attempts})."
-    )
-    report, root = build_report(records, headline=headline, hint=hint)
-    return RunFailedError(report, attempts=attempts, root_cause=root)
-
-
-def _unschedulable(records: list[RankRecord], slots: policy.Slots, reason: str, attempts: int) -> SparkDLError:
-    headline = f"sparkdl.run stopped after attempt {attempts - 1} failed: {reason}."
-    hint = (
-        "Add executors (or free the slots other jobs hold), lower RunConfig.min_workers, or raise "
-        "RunConfig.slot_wait_s if lost executors take longer to be replaced."
-    )
-    report, _ = build_report(records, headline=headline, hint=hint)
-    return InsufficientSlotsError(report, required=slots.needed, available=slots.free)
-
-
-def _unshared(unshared: tuple[int, str, str], url: str) -> ConfigError:
-    rank, host, found = unshared
-    return ConfigError(
-        f"sparkdl.run stopped before training: the checkpoint directory {redact(url)} is not shared by the "
-        f"driver and the executors. The driver wrote a marker there, but the task of rank {rank} on {host} "
-        f"does not see it: {found}. Checkpoints written there would stay on each host's own disk, and a "
-        "rerun would resume from nothing. Pass checkpoint_dir= (TorchEstimator: checkpointDir) on storage "
-        "that the driver and every executor reach (a shared mount, hdfs://, s3://...), or set "
-        "spark.sparkdl.runDir to such storage: runs without checkpoint_dir keep their checkpoints under "
-        "it, and without it under the driver's temp dir, which only local modes share"
-    )

@@ -39,12 +39,17 @@ from sparkdl.wire.messages import (
     Metric,
     Stacks,
     Started,
+    Stop,
     TaskMessage,
     encode,
 )
 
 RESULT_CHUNK_BYTES = 16 * 1024 * 1024
 _LOG_PIECE_CHARS = 1024 * 1024
+# Messages a task keeps while it has no connection yet (its output before the gang formed).
+_WAITING_MESSAGES = 10_000
+# Channel "auto": how long a task tries to reach the driver before it reports through the hub.
+_PROBE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,13 @@ class TaskPayload:
     # The driver's marker in the checkpoint directory: every task must read it back before its
     # rank starts (a directory on the driver's own disk is not where other hosts' ranks write).
     checkpoints: Marker | None = None
+    # How the task reports (sparkdl.spark_api.CHANNEL_MODES): "direct" to the driver, "relay"
+    # through the hub in task 0 and Spark's result rows, "auto" direct when it reaches the driver.
+    channel: str = "direct"
+    # With "relay"/"auto": what task 0 starts as the gang's hub, hub(host, secret, run,
+    # first_attempt) (sparkdl.driver.relay.Hub), and the attempt number it gives the gang.
+    hub: Any = None
+    first_attempt: int = 0
 
 
 class RankFailed(RuntimeError):
@@ -72,26 +84,44 @@ class DriverLink:
     """The task's end of the channel: thread-safe typed sends, tagged with rank and attempt.
 
     It is the :class:`~sparkdl.task.rankproc.Sink` of the rank's relays: a very long line travels
-    in pieces that the driver joins back into one line.
+    in pieces that the driver joins back into one line. Without a connection yet (a task that will
+    report through the gang's relay hub), messages wait, at most :data:`_WAITING_MESSAGES`.
     """
 
-    def __init__(self, conn: FramedConnection, rank: int) -> None:
+    def __init__(self, conn: FramedConnection | None, rank: int) -> None:
         self._conn = conn
         self._lock = threading.Lock()
         self._ok = True
+        self._waiting: list[TaskMessage] = []
         self.rank = rank
         self.attempt = -1
+
+    def attach(self, conn: FramedConnection) -> None:
+        """Sends go over ``conn`` from now on, those that waited first."""
+        with self._lock:
+            self._conn, waiting, self._waiting = conn, self._waiting, []
+        for message in waiting:
+            self.send(message)
 
     def send(self, message: TaskMessage) -> bool:
         if not self._ok:
             return False
         try:
             with self._lock:
+                if self._conn is None:
+                    if len(self._waiting) < _WAITING_MESSAGES:
+                        self._waiting.append(message)
+                    return True
                 self._conn.send(encode(message, rank=self.rank, attempt=self.attempt))
             return True
         except (OSError, ChannelError):
             self._ok = False
             return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
 
     def line(self, stream: str, text: str) -> bool:
         pieces = [text[i : i + _LOG_PIECE_CHARS] for i in range(0, len(text), _LOG_PIECE_CHARS)] or [""]
@@ -101,8 +131,17 @@ class DriverLink:
         return self.send(Metric(record))
 
 
+@dataclass
+class _Orders:
+    """What the driver (or the relay hub) told a running rank's task."""
+
+    lost: threading.Event = field(default_factory=threading.Event)  # the driver closed the channel
+    stop: str | None = None  # the hub's Stop: the attempt is over
+
+
 def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
-    """The function of the barrier ``mapInArrow`` stage; yields rank 0's result as Arrow chunks."""
+    """The function of the barrier ``mapInArrow`` stage; yields rank 0's result as Arrow chunks
+    (and, when the gang reported through the relay hub, the hub's signed record of the attempt)."""
     import sys
 
     import pyarrow as pa
@@ -114,19 +153,24 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
     host = payload.rank_host or host_of(ctx.getTaskInfos()[rank].address)
-    conn = connect((payload.driver_host, payload.driver_port), bytes.fromhex(payload.secret_hex),
-                   run.config.connect_timeout_s)
+    secret = bytes.fromhex(payload.secret_hex)
+    conn = _reach_driver(payload, secret)
     link = DriverLink(conn, rank)
     workdir = Path(tempfile.mkdtemp(prefix=f"sparkdl-{run.run_id}-r{rank}-"))
     listener: socket.socket | None = None
     proc: RankProcess | None = None
     orders: threading.Thread | None = None
+    hub: Any = None
+    relayed = False
     # A rank started as a fresh interpreter is this worker's child: what it orphans comes here.
     adopting = proctree.set_subreaper()
     try:
         spec = RankSpec.of(run, rank=rank, host=host, gpu_ids=_assigned_gpus(ctx, run, rank), task_pid=os.getpid())
         if rank == 0:
             listener = socket.create_server((host, 0), backlog=1024)
+            if payload.channel != "direct":
+                # Started before the gang forms: its port travels with the gang's addresses.
+                hub = payload.hub(host, secret, run, payload.first_attempt)
         # The rank process starts now, while the gang forms. Importing torch is the longest step
         # of a launch on a warm executor: the rank is forked from a zygote that did it already.
         proc = RankProcess(
@@ -136,43 +180,76 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         )
         tid = ctx.taskAttemptId()
         unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
-        link.send(Hello(host, os.getpid(), tid, unshared))
-        if unshared is not None:
-            raise RankFailed(f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}")
+        hello = Hello(host, os.getpid(), tid, unshared)
+        if conn is not None:
+            link.send(hello)
+            if unshared is not None:
+                raise RankFailed(f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}")
         port = listener.getsockname()[1] if listener else None
-        members = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port, "tid": tid}))]
-        # PySpark tasks cannot see their stage attempt number; the driver numbers attempts by the
-        # set of task ids that formed each gang, which every rank of a gang reports identically.
-        link.send(Gang(tuple(sorted(m["tid"] for m in members))))
-        reply = GoAhead.decode(conn.recv(timeout=run.config.connect_timeout_s))
-        if not reply.go or reply.attempt is None:
-            raise RankFailed(f"sparkdl driver stopped rank {rank}: {reply.reason}")
-        attempt = link.attempt = reply.attempt
-        proc.tell_gang(GangSpec.form(spec, attempt=attempt, hosts=[m["host"] for m in members],
-                                     master_port=members[0]["port"]))
-        if listener is not None:
-            # Only the rank 0 process holds the store's socket from here on.
-            listener.close()
-            listener = None
-        lost = threading.Event()
-        orders = _answer_driver(conn, link, proc, run.config.connect_timeout_s, lost)
-        link.send(Started(proc.pid))
-        code = proc.wait()
-        if lost.is_set() and code != 0:
-            # The driver ended (a Spark Connect client that disconnected): nobody waits for this run.
-            raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} was stopped: the driver closed "
-                             "its channel (the driver program or Spark Connect client ended)")
-        if code != 0:
-            ended = time.time()
-            error, tb, failed_at = read_error(workdir)
-            exit_signal = -code if code < 0 else None
-            link.send(Exited(None if exit_signal else code, exit_signal, error, tb, failed_at or ended))
-            how = f"was killed by signal {exit_signal}" if exit_signal else f"exited with code {code}"
-            detail = f": {error}" if error else ""
-            last = "\n".join(proc.tail)
-            raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} {how}{detail}\n{last}")
-        link.send(Exited(0, None))
-        if rank == 0:
+        me = {"host": host, "port": port, "tid": tid, "direct": conn is not None, "hub": hub.port if hub else None}
+        members = [json.loads(m) for m in ctx.allGather(json.dumps(me))]
+        relayed = not all(m["direct"] for m in members)
+        if relayed:
+            # Some task cannot reach the driver: the whole gang reports to the hub in task 0.
+            if conn is not None:
+                conn.close()
+            conn = connect((members[0]["host"], members[0]["hub"]), secret, run.config.connect_timeout_s)
+            link.attach(conn)
+            link.send(hello)
+        elif hub is not None:
+            hub.close()
+            hub = None
+        try:
+            assert conn is not None
+            if relayed and unshared is not None:
+                raise RankFailed(f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}")
+            # PySpark tasks cannot see their stage attempt number; the driver numbers attempts by the
+            # set of task ids that formed each gang, which every rank of a gang reports identically.
+            link.send(Gang(tuple(sorted(m["tid"] for m in members))))
+            reply = GoAhead.decode(conn.recv(timeout=run.config.connect_timeout_s))
+            if not reply.go or reply.attempt is None:
+                raise RankFailed(f"sparkdl driver stopped rank {rank}: {reply.reason}")
+            attempt = link.attempt = reply.attempt
+            proc.tell_gang(GangSpec.form(spec, attempt=attempt, hosts=[m["host"] for m in members],
+                                         master_port=members[0]["port"]))
+            if listener is not None:
+                # Only the rank 0 process holds the store's socket from here on.
+                listener.close()
+                listener = None
+            told = _Orders()
+            orders = _answer_driver(conn, link, proc, run.config.connect_timeout_s, told)
+            link.send(Started(proc.pid))
+            code = proc.wait()
+            if told.stop is not None:
+                pass  # the hub ended this rank: the attempt failed elsewhere, or a bound passed
+            elif told.lost.is_set() and code != 0:
+                # The driver ended (a Spark Connect client that disconnected): nobody waits for this run.
+                raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} was stopped: the driver "
+                                 "closed its channel (the driver program or Spark Connect client ended)")
+            elif code != 0:
+                ended = time.time()
+                error, tb, failed_at = read_error(workdir)
+                exit_signal = -code if code < 0 else None
+                link.send(Exited(None if exit_signal else code, exit_signal, error, tb, failed_at or ended))
+                how = f"was killed by signal {exit_signal}" if exit_signal else f"exited with code {code}"
+                detail = f": {error}" if error else ""
+                last = "\n".join(proc.tail)
+                raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} {how}{detail}\n{last}")
+            else:
+                link.send(Exited(0, None))
+        except RankFailed:
+            if not relayed:
+                raise  # Spark reruns the gang
+            # Relayed: the hub has this rank's record; the stage must not fail, or it is lost.
+        if relayed:
+            link.close()  # all of this task's messages are sent: the hub may settle
+            if hub is None:
+                return
+            record = hub.finish()
+            if record.succeeded:
+                yield from _result_batches(pa, workdir / "result.pkl")
+            yield from _record_batches(pa, record.blob)
+        elif rank == 0:
             yield from _result_batches(pa, workdir / "result.pkl")
     finally:
         if proc is not None:
@@ -182,19 +259,37 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             proctree.set_subreaper(False)
         if listener is not None:
             listener.close()
-        conn.close()
+        if conn is not None:
+            conn.close()
         if orders is not None:
             orders.join(timeout=STACK_DUMP_S + 0.5)  # closing the connection woke it
+        if hub is not None:
+            hub.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _reach_driver(payload: TaskPayload, secret: bytes) -> FramedConnection | None:
+    """The channel to the driver, or None when this task reports through the relay hub: the
+    driver is out of its reach (channel "auto", within :data:`_PROBE_S`) or never tried ("relay")."""
+    cfg = payload.run.config
+    if payload.channel == "relay":
+        return None
+    if payload.channel == "direct":
+        return connect((payload.driver_host, payload.driver_port), secret, cfg.connect_timeout_s)
+    try:
+        return connect((payload.driver_host, payload.driver_port), secret, min(cfg.connect_timeout_s, _PROBE_S))
+    except ChannelError:
+        return None
+
+
 def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, timeout_s: float,
-                   lost: threading.Event) -> threading.Thread:
+                   told: _Orders) -> threading.Thread:
     """Reads the driver's requests once the rank runs (:class:`DumpStacks`: reply with the rank's
-    stacks) until the connection closes. Its replies go through ``link``, whose lock orders them
-    with the relays' sends; the socket's timeout stays the one ``recv`` of GoAhead set. When the
-    driver closes the connection while the rank runs, the driver is gone (a Spark Connect client
-    ends without the server): ``lost`` is set and the rank killed, which ends the task."""
+    stacks; the relay hub's :class:`Stop`: end the rank) until the connection closes. Its replies
+    go through ``link``, whose lock orders them with the relays' sends; the socket's timeout stays
+    the one ``recv`` of GoAhead set. When the driver closes the connection while the rank runs,
+    the driver is gone (a Spark Connect client ends without the server): ``told.lost`` is set and
+    the rank killed, which ends the task."""
 
     def serve() -> None:
         while True:
@@ -208,11 +303,14 @@ def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, 
                 frame = None
             if frame is None:
                 if proc.running():
-                    lost.set()
+                    told.lost.set()
                     proc.kill()
                 return
             if DumpStacks.asked(frame):
                 link.send(Stacks(proc.pid, proc.dump_stacks()))
+            elif Stop.asked(frame):
+                told.stop = str(frame.get("reason", ""))
+                proc.kill()
 
     thread = threading.Thread(target=serve, name="sparkdl-driver-requests", daemon=True)
     thread.start()
@@ -229,6 +327,15 @@ def _assigned_gpus(ctx: Any, run: RunSpec, rank: int) -> list[str]:
             "spark.task.resource.gpu.amount and spark.executor.resource.gpu.amount"
         )
     return list(resources["gpu"].addresses)
+
+
+def _record_batches(pa: Any, blob: bytes) -> Iterator[Any]:
+    """The hub's record of the attempt, in chunks numbered -1, -2, ... (rank 0's result: 0, 1, ...)."""
+    for i in range(0, max(len(blob), 1), RESULT_CHUNK_BYTES):
+        yield pa.RecordBatch.from_arrays(
+            [pa.array([-1 - i // RESULT_CHUNK_BYTES], pa.int64()), pa.array([blob[i : i + RESULT_CHUNK_BYTES]], pa.binary())],
+            names=["chunk", "data"],
+        )
 
 
 def _result_batches(pa: Any, path: Path) -> Iterator[Any]:

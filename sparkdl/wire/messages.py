@@ -3,7 +3,7 @@
 On the wire each message is one JSON object (sent by :mod:`sparkdl.wire.channel`, which
 authenticates every frame before it is parsed). A task's messages carry its rank (``r``) and
 attempt (``a``, -1 until the gang has formed) next to a kind (``t``); the driver's reply,
-:class:`GoAhead`, has no kind, nor has its one later request, :class:`DumpStacks`.
+:class:`GoAhead`, has no kind, nor have its later requests, :class:`DumpStacks` and :class:`Stop`.
 :func:`decode` turns a frame into a message and refuses anything malformed with :class:`~sparkdl.wire.channel.ChannelError`, so a bad frame ends its connection
 instead of a thread of the driver.
 """
@@ -151,6 +151,22 @@ class DumpStacks:
     @staticmethod
     def asked(frame: dict[str, Any] | None) -> bool:
         return frame is not None and frame.get("do") == "stacks"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The relay hub's order to a task (runs whose driver the executors cannot reach, see
+    :mod:`sparkdl.driver.relay`): end the rank now, its attempt is over; the task then ends
+    without failing its Spark stage, so the attempt's record still reaches the driver."""
+
+    reason: str
+
+    def encode(self) -> dict[str, Any]:
+        return {"do": "stop", "reason": self.reason}
+
+    @staticmethod
+    def asked(frame: dict[str, Any] | None) -> bool:
+        return frame is not None and frame.get("do") == "stop"
 
 
 @dataclass(frozen=True)

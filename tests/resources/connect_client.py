@@ -154,6 +154,38 @@ def scenario_orphan(spark: Any, work: str) -> dict[str, Any]:
     return {}
 
 
+def always_fails() -> None:
+    ctx = sparkdl.context()
+    print(f"working on attempt {ctx.attempt}", flush=True)
+    if ctx.rank == 1:
+        raise RuntimeError(f"broken on rank {ctx.rank}")
+    time.sleep(120)  # where rank 0 is when its peer fails
+
+
+def scenario_relay(spark: Any, work: str) -> dict[str, Any]:
+    """Run from a client the executors cannot reach: everything comes back through Spark."""
+    ds = dataset(spark, f"{work}/data")
+    faulted = sparkdl.launch(train, ds, 1, num_workers=2, checkpoint_dir=f"{work}/ckpt-faulted")
+    clean = sparkdl.run(train, ds, None, num_workers=2, checkpoint_dir=f"{work}/ckpt-clean")
+    try:
+        sparkdl.run(always_fails, num_workers=2, max_attempts=2,
+                    config=sparkdl.RunConfig(stop_on_repeated_error=False))
+        error = None
+    except sparkdl.RunFailedError as exc:
+        error = str(exc)
+    return {"faulted": faulted.value, "attempts": faulted.attempts, "clean": clean, "error": error}
+
+
+def scenario_serverdies(spark: Any, work: str) -> dict[str, Any]:
+    """Runs until the test kills the Connect server: the run must end, with an error."""
+    started = time.monotonic()
+    try:
+        sparkdl.run(sleeper, f"{work}/pid", num_workers=2)
+        return {"error": None}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:3000], "elapsed": time.monotonic() - started}
+
+
 def main() -> None:
     from pyspark.sql import SparkSession
 
@@ -162,7 +194,8 @@ def main() -> None:
     assert not hasattr(spark, "sparkContext") or type(spark).__module__.startswith("pyspark.sql.connect")
     result = globals()[f"scenario_{scenario}"](spark, work)
     print("RESULT " + json.dumps(result), flush=True)
-    spark.stop()
+    if scenario != "serverdies":
+        spark.stop()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,101 @@
+"""Why a run failed, as the error it raises: from the monitor's records of every attempt and the
+verdict (or Spark's error) that ended its last Spark job."""
+
+from __future__ import annotations
+
+import re
+
+from sparkdl.driver import policy
+from sparkdl.driver.cluster import executor_error
+from sparkdl.driver.monitor import Monitor
+from sparkdl.driver.report import RankRecord, build_report
+from sparkdl.errors import (
+    ConfigError,
+    InsufficientSlotsError,
+    RunFailedError,
+    RunTimeoutError,
+    SparkDLError,
+)
+from sparkdl.storage import redact
+
+
+def _spark_error_text(exc: BaseException | None) -> str | None:
+    if exc is None:
+        return None
+    text = str(exc)
+    match = re.search(r"(RankFailed|SparkException|Exception)[:\s].*", text)
+    return match.group(0) if match else text
+
+
+def failure(monitor: Monitor, error: BaseException | None, verdict: policy.Verdict | None, max_attempts: int,
+            python: str = "?", gone: str | None = None) -> SparkDLError:
+    """The error a run raises when its last Spark job ended without rank 0's result."""
+    if monitor.unshared is not None:
+        return _unshared(monitor.unshared, monitor.store.url if monitor.store else "?")
+    records = monitor.sorted_records()
+    spark_error = _spark_error_text(error)
+    if verdict is not None and verdict.slots is not None:
+        return _unschedulable(records, verdict.slots, verdict.reason or "", monitor.attempts_seen())
+    timed_out = verdict is not None and verdict.timed_out
+    stop_reason = verdict.reason if verdict is not None else None
+    if not records:
+        # The executor's own Python error, not Spark's wrapper of it ("Exception thrown in awaitResult").
+        found = executor_error(error)
+        if found is not None and ("ModuleNotFoundError" in found or "ImportError" in found):
+            return ConfigError(
+                f"the executors' Python ({python}) cannot run sparkdl: {found}. Install sparkdl, torch "
+                "and pyarrow where the executors run, or point spark.pyspark.python (PYSPARK_PYTHON) "
+                "at an interpreter that has them on every executor host"
+            )
+        if timed_out and stop_reason:
+            return RunTimeoutError(f"sparkdl.run stopped: {stop_reason}", attempts=0, root_cause=stop_reason)
+        cause = f"the executor's Python raised {found} ({python})" if found else spark_error
+        return RunFailedError(
+            f"sparkdl.run failed before any rank started: {cause}", attempts=0, root_cause=str(found or spark_error)
+        )
+    attempts = monitor.attempts_seen()
+    if gone is not None:
+        headline = f"sparkdl.run stopped on attempt {attempts - 1}: {gone}."
+        hint = "The run's ranks ended with its Spark application; start the run again once the server is back."
+        report, root = build_report(records, headline=headline, hint=hint)
+        return RunFailedError(report, attempts=attempts, root_cause=gone)
+    if timed_out and stop_reason:
+        headline = f"sparkdl.run stopped on attempt {attempts - 1}: {stop_reason}."
+        hint = "Raise the bound named above if the run needs longer."
+        report, _ = build_report(records, headline=headline, hint=hint, spark_error=None)
+        return RunTimeoutError(report, attempts=attempts, root_cause=stop_reason)
+    headline = f"sparkdl.run failed after {attempts} attempt(s) of the gang (max_attempts={max_attempts})."
+    if monitor.gave_up:
+        headline += (
+            f" It stopped early: {monitor.gave_up}. To rerun anyway, set "
+            "RunConfig(stop_on_repeated_error=False)."
+        )
+    hint = (
+        "Fix the root cause above; to allow more reruns of the gang, raise max_attempts "
+        f"(now {max_attempts})."
+    )
+    report, root = build_report(records, headline=headline, hint=hint)
+    return RunFailedError(report, attempts=attempts, root_cause=root)
+
+
+def _unschedulable(records: list[RankRecord], slots: policy.Slots, reason: str, attempts: int) -> SparkDLError:
+    headline = f"sparkdl.run stopped after attempt {attempts - 1} failed: {reason}."
+    hint = (
+        "Add executors (or free the slots other jobs hold), lower RunConfig.min_workers, or raise "
+        "RunConfig.slot_wait_s if lost executors take longer to be replaced."
+    )
+    report, _ = build_report(records, headline=headline, hint=hint)
+    return InsufficientSlotsError(report, required=slots.needed, available=slots.free)
+
+
+def _unshared(unshared: tuple[int, str, str], url: str) -> ConfigError:
+    rank, host, found = unshared
+    return ConfigError(
+        f"sparkdl.run stopped before training: the checkpoint directory {redact(url)} is not shared by the "
+        f"driver and the executors. The driver wrote a marker there, but the task of rank {rank} on {host} "
+        f"does not see it: {found}. Checkpoints written there would stay on each host's own disk, and a "
+        "rerun would resume from nothing. Pass checkpoint_dir= (TorchEstimator: checkpointDir) on storage "
+        "that the driver and every executor reach (a shared mount, hdfs://, s3://...), or set "
+        "spark.sparkdl.runDir to such storage: runs without checkpoint_dir keep their checkpoints under "
+        "it, and without it under the driver's temp dir, which only local modes share"
+    )
