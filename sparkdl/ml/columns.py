@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from sparkdl.errors import ConfigError
 from sparkdl.ml.plan import BINARY_LOSSES, CLASSIFICATION, FitPlan
-from sparkdl.spark_api import is_remote
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -30,16 +29,6 @@ class Facts:
     num_features: int
     label_length: int | None  # None: one number per row; L: an array or vector of length L
     label_max: float | None  # the largest label, for one number per row
-
-
-def refuse_connect(df: DataFrame, what: str) -> None:
-    """ConfigError for a Spark Connect DataFrame: the Spark ML path still needs a classic session."""
-    if is_remote(df.sparkSession):
-        raise ConfigError(
-            f"{what} does not run over Spark Connect yet (this DataFrame's session is a Connect client). "
-            "Run it on a classic session (the cluster's driver, spark-submit), or train over Connect "
-            "with sparkdl.write_dataset and sparkdl.run, which work there"
-        )
 
 
 def _numeric_types() -> tuple[type, ...]:

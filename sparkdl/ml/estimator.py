@@ -26,10 +26,10 @@ from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 from sparkdl import spark_api
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, SparkDLError
-from sparkdl.ml.columns import features_expr, inspect_columns, label_expr, refuse_connect
+from sparkdl.ml.columns import features_expr, inspect_columns, label_expr
 from sparkdl.ml.model import TorchModel
 from sparkdl.ml.params import EstimatorParams, check_backend
-from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable
+from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable, check_connect_client
 from sparkdl.ml.plan import CLASSIFICATION, REGRESSION, REGRESSION_LOSSES, FitPlan
 from sparkdl.ml.probe import probe
 from sparkdl.ml.training import train_on_rank
@@ -282,7 +282,7 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
             raise ConfigError(
                 "TorchEstimator needs a model: pass model=<torch.nn.Module or zero-argument factory>"
             )
-        refuse_connect(dataset, "TorchEstimator.fit")
+        check_connect_client(dataset.sparkSession, "TorchEstimator.fit")
         plan = self._plan()
         facts = inspect_columns(dataset, plan)
         driver_module, num_outputs = probe(dataset, plan, facts)

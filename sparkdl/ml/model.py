@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import tempfile
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -12,10 +15,11 @@ from pyspark import keyword_only
 from pyspark.ml.base import Model
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
+from sparkdl import spark_api
 from sparkdl.errors import ConfigError
-from sparkdl.ml.columns import check_features_type, features_expr, refuse_connect
+from sparkdl.ml.columns import check_features_type, features_expr
 from sparkdl.ml.params import ScoringParams
-from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable
+from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable, check_connect_client
 from sparkdl.ml.plan import REGRESSION
 from sparkdl.ml.scoring import Scorer, scoring_column
 from sparkdl.ml.training import input_dtype
@@ -41,8 +45,10 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
     ``featuresCol`` may hold Spark ML vectors (dense or sparse) or arrays of numbers; only that
     column goes to Python. Scoring runs in an iterator UDF over Arrow batches, up to
     ``inferenceBatchSize`` rows per model call, under ``torch.inference_mode()``. Each executor
-    Python worker loads the model once (from a broadcast) and keeps it for later batches, tasks
-    and jobs; with ``useGpu`` unset or True it runs on the GPU Spark assigned to the task, when
+    Python worker loads the model once and keeps it for later batches, tasks and jobs (its bytes
+    reach the executors as a broadcast on a classic session; over Spark Connect, which has no
+    broadcast, as a file added to the session with ``addArtifacts``, uploaded once per model and
+    session). With ``useGpu`` unset or True it runs on the GPU Spark assigned to the task, when
     there is one (address ``a`` means ``cuda:a``). A null features value, or one of another length
     than the model was trained on, fails the task with an error naming the column.
 
@@ -94,6 +100,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         self._num_outputs: int | None = None
         self._history: list[dict[str, Any]] = []
         self._broadcast: tuple[str, Any] | None = None
+        self._shipped: set[str] = set()  # Connect sessions (ids) that have the module's file
         self._lock = threading.Lock()
         if module is not None:
             self._set_module(module)
@@ -121,6 +128,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         self._module_bytes = data
         self._model_id = hashlib.sha256(data).hexdigest()[:24]
         self._broadcast = None
+        self._shipped = set()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -130,6 +138,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_shipped", set())
         self._lock = threading.Lock()
 
     # -- what the model knows ----------------------------------------------------------------
@@ -182,6 +191,8 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
     def _set_extra_state(self, meta: Mapping[str, Any], blobs: Mapping[str, bytes]) -> None:
         self._module_bytes = blobs["module"]
         self._model_id = hashlib.sha256(self._module_bytes).hexdigest()[:24]
+        self._broadcast = None
+        self._shipped = set()
         self._num_features = meta.get("numFeatures")
         self._num_outputs = meta.get("numOutputs")
         self._history = [dict(h) for h in meta.get("history") or []]
@@ -201,7 +212,8 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         from sparkdl.driver.cluster import resolve_gpu
 
         self._require_bytes()
-        refuse_connect(dataset, "TorchModel.transform")
+        session = dataset.sparkSession
+        check_connect_client(session, "TorchModel.transform")
         features_col, prediction_col = self.getFeaturesCol(), self.getPredictionCol()
         check_features_type(dataset, features_col)
         if prediction_col in dataset.columns:
@@ -210,18 +222,16 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
                 "name (setPredictionCol) or drop that column first"
             )
         task = self.getTask() or REGRESSION
-        session = dataset.sparkSession
-        classic = not type(session).__module__.startswith("pyspark.sql.connect")
         use_gpu = self.getUseGpu()
-        if classic and use_gpu:
-            resolve_gpu(session.sparkContext.getConf(), use_gpu)  # ConfigError naming the confs
+        if use_gpu:
+            resolve_gpu(spark_api.of(session).confs(), use_gpu)  # ConfigError naming the confs
         num_outputs = self._num_outputs
         if task == REGRESSION and num_outputs is None:
             num_outputs = self._learn_outputs(dataset)
         vector_out = task == REGRESSION and (num_outputs or 1) > 1
         scorer = Scorer(
             model_id=cast(str, self._model_id),
-            source=self._model_source(session) if classic else self._require_bytes(),
+            source=self._model_source(session),
             task=task,
             num_features=self._num_features,
             batch_rows=self.getInferenceBatchSize(),
@@ -232,13 +242,44 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         return dataset.withColumn(prediction_col, scoring_column(scorer, features_expr(dataset, features_col)))
 
     def _model_source(self, session: SparkSession) -> Any:
-        """The broadcast of the module's bytes in this SparkContext, made once per model and context."""
+        """Where the executors find the module's bytes: over Connect, the name of a file shipped
+        with the session (once per model and session); on a classic session, the broadcast made
+        once per model and SparkContext."""
+        if spark_api.is_remote(session):
+            return self._shipped_file(session)
         sc = session.sparkContext
         key = f"{sc.applicationId}-{sc.startTime}"
         with self._lock:
             if self._broadcast is None or self._broadcast[0] != key:
                 self._broadcast = (key, sc.broadcast(self._require_bytes()))
             return self._broadcast[1]
+
+    def _shipped_file(self, session: SparkSession) -> str | bytes:
+        # Named by the content hash: the server refuses another content under a name it has, and
+        # the same content under the same name again costs only the upload.
+        name = f"sparkdl-model-{self._model_id}.pkl"
+        session_id = str(session.session_id)  # type: ignore[attr-defined]  # a Connect session's
+        with self._lock:
+            if session_id in self._shipped:
+                return name
+            data = self._require_bytes()
+            try:
+                with tempfile.TemporaryDirectory(prefix="sparkdl-model-") as tmp:  # private to this user
+                    path = os.path.join(tmp, name)
+                    with open(path, "wb") as f:
+                        f.write(data)
+                    session.addArtifacts(path, file=True)
+            except Exception as exc:  # a server that takes no files: the bytes go with the UDF
+                warnings.warn(
+                    f"TorchModel.transform could not add the model's file to the Spark Connect session "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the model's "
+                    f"{len(data)} bytes travel with every task instead (still loaded once per Python worker)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return data
+            self._shipped.add(session_id)
+            return name
 
     def _learn_outputs(self, dataset: DataFrame) -> int:
         """Outputs per row of a wrapped regression model, from one row (a small job), remembered."""

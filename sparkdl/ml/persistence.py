@@ -12,6 +12,11 @@ On a local path (no scheme, or ``file:``) :class:`ParamsReader` first refuses, w
 by someone else. ``trusted=True`` (``TorchModel.load(path, trusted=True)``) or the Spark conf
 ``spark.sparkdl.ml.trustSavedModels=true`` (which also reaches stages inside a
 ``PipelineModel``) skips that check. Other filesystems are not checked.
+
+From a Spark Connect client (pyspark >= 4) the same files are written and read through the
+session's DataFrames (there is no SparkContext), so a model saved from a classic session loads
+over Connect and the other way round. The trust check then looks at the path on the client's
+machine: a path the client does not see (the server's own disk) is not checked.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from urllib.parse import urlsplit
 from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
+from sparkdl import spark_api
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, SparkDLError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["TRUST_CONF", "ParamsReader", "ParamsWriter", "Persistable"]
+__all__ = ["TRUST_CONF", "ParamsReader", "ParamsWriter", "Persistable", "check_connect_client"]
 
 TRUST_CONF = "spark.sparkdl.ml.trustSavedModels"
 _P = TypeVar("_P", bound="Persistable")
@@ -40,6 +46,26 @@ _P = TypeVar("_P", bound="Persistable")
 _BLOB_CHUNK = 16 * 1024 * 1024
 _FORMAT = 1
 _JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def check_connect_client(session: Any, what: str) -> None:
+    """ConfigError for a Spark Connect client older than pyspark 4, whose Spark ML has no Connect side."""
+    if not spark_api.is_remote(session):
+        return
+    import pyspark
+
+    if int(pyspark.__version__.split(".")[0]) < 4:
+        raise ConfigError(
+            f"{what} over Spark Connect needs pyspark >= 4 on the client (this is pyspark {pyspark.__version__}, "
+            "whose Spark ML needs a SparkContext). Upgrade the client (pip install 'sparkdl[connect]'), or run "
+            "it on a classic session (the cluster's driver, spark-submit)"
+        )
+
+
+def _metadata_target(session: Any) -> Any:
+    # pyspark 3.5 reads and writes the metadata through a SparkContext only; pyspark 4 also through
+    # a session, the one way a Connect client has.
+    return session if spark_api.is_remote(session) else session.sparkContext
 
 
 class Persistable(Params):
@@ -89,8 +115,22 @@ class ParamsWriter(MLWriter):
         super().__init__()
         self.instance = instance
 
+    def save(self, path: str) -> None:
+        """Writes the instance under ``path``, replacing what is there with ``overwrite()``."""
+        session = self.sparkSession
+        if not spark_api.is_remote(session):
+            super().save(path)  # its overwrite goes through the JVM, which only a classic session has
+            return
+        check_connect_client(session, f"saving a {type(self.instance).__name__}")
+        if self.shouldOverwrite:
+            from pyspark.ml.connect.readwrite import RemoteMLWriter
+
+            # What pyspark's own Connect writers do: the server deletes the path.
+            RemoteMLWriter.handleOverwrite(path, True)
+        self.saveImpl(path)
+
     def saveImpl(self, path: str) -> None:
-        """Writes the instance under ``path`` (``MLWriter.save`` has checked overwrite)."""
+        """Writes the instance under ``path`` (``save`` has handled overwrite)."""
         import cloudpickle
 
         json_params, pickled = self.instance._json_and_pickled()
@@ -105,9 +145,8 @@ class ParamsWriter(MLWriter):
                     f"({type(exc).__name__}: {exc}); they must not hold a SparkSession, lock or open file"
                 ) from exc
         extra = {"sparkdl": {"format": _FORMAT, **meta, "blobs": sorted(blobs)}}
-        # A SparkContext: pyspark 3.5 takes only that here; pyspark 4 takes it or a session.
         DefaultParamsWriter.saveMetadata(
-            self.instance, path, self.sparkSession.sparkContext, extraMetadata=extra, paramMap=json_params
+            self.instance, path, _metadata_target(self.sparkSession), extraMetadata=extra, paramMap=json_params
         )
         if blobs:
             _write_blobs(self.sparkSession, os.path.join(path, "data"), blobs)
@@ -129,9 +168,11 @@ class ParamsReader(MLReader[Any]):
         """
         import cloudpickle
 
-        if not self.trusted and str(self.sparkSession.conf.get(TRUST_CONF, "false")).lower() != "true":
+        session = self.sparkSession
+        check_connect_client(session, f"loading a {self.cls.__name__}")
+        if not self.trusted and str(session.conf.get(TRUST_CONF, "false")).lower() != "true":
             check_trusted_files(path, self.cls.__name__)
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession.sparkContext)
+        metadata = DefaultParamsReader.loadMetadata(path, _metadata_target(session))
         saved = metadata.get("sparkdl") or {}
         expected = f"{self.cls.__module__}.{self.cls.__name__}"
         if metadata.get("class") != expected:
@@ -148,7 +189,7 @@ class ParamsReader(MLReader[Any]):
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
         names = list(saved.get("blobs") or [])
-        blobs = _read_blobs(self.sparkSession, os.path.join(path, "data"), names) if names else {}
+        blobs = _read_blobs(session, os.path.join(path, "data"), names) if names else {}
         if "params" in blobs:
             instance._set(**cloudpickle.loads(blobs["params"]))
         instance._set_extra_state(saved, blobs)

@@ -4,9 +4,11 @@
 (``arrow_udf`` on pyspark >= 4.1, ``pandas_udf`` before): the model runs on up to
 ``inferenceBatchSize`` rows at once, never on one row at a time. Only the features column travels
 to Python and only the prediction comes back. The model's bytes reach the executors once, as a
-Spark broadcast; each Python worker unpickles them the first time it scores with that model on a
-device and keeps the module in a small per-process cache keyed by the model's content hash and
-the device, so later batches, tasks and jobs served by the same (reused) worker skip the load.
+Spark broadcast (classic session) or as a file shipped with the Spark Connect session (read with
+``SparkFiles``); each Python worker checks them against the model's content hash, unpickles them
+the first time it scores with that model on a device and keeps the module in a small per-process
+cache keyed by that hash and the device, so later batches, tasks and jobs served by the same
+(reused) worker skip the load.
 
 Each task scores on the GPU Spark gave it (``TaskContext.resources()``), looked up per task: with
 ``spark.task.resource.gpu.amount`` below 1, several tasks share one GPU, and a reused worker may
@@ -15,6 +17,7 @@ serve tasks of different GPUs one after the other.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -28,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkdl.errors import ConfigError
+from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.ml.plan import CLASSIFICATION
 from sparkdl.ml.training import input_dtype
 
@@ -47,7 +50,9 @@ class Scorer:
     """What the scoring UDF closes over: small and picklable; the module itself is in ``source``."""
 
     model_id: str
-    source: Any  # a Broadcast of the pickled module (classic Spark), or the bytes (Spark Connect)
+    # The pickled module: a Broadcast of it (classic Spark), the name of a file shipped with the
+    # Spark Connect session (SparkFiles), or the bytes themselves (a server that takes no files).
+    source: Any
     task: str
     num_features: int | None
     batch_rows: int
@@ -61,8 +66,23 @@ class Scorer:
         return "array<float>" if self.vector_out else "double"
 
     def module_bytes(self) -> bytes:
-        """The pickled module, read from the broadcast (or given directly)."""
-        return self.source if isinstance(self.source, bytes) else cast(bytes, self.source.value)
+        """The pickled module, from its source; SparkDLError unless its hash is ``model_id``."""
+        if isinstance(self.source, bytes):
+            data = self.source
+        elif isinstance(self.source, str):
+            from pyspark import SparkFiles
+
+            with open(SparkFiles.get(self.source), "rb") as f:
+                data = f.read()
+        else:
+            data = cast(bytes, self.source.value)
+        if hashlib.sha256(data).hexdigest()[:24] != self.model_id:
+            raise SparkDLError(
+                f"the model's bytes that reached this Python worker (pid {os.getpid()}) do not match the "
+                f"model (id {self.model_id}), so they are not unpickled: the file or broadcast was damaged or "
+                "replaced. Run the transform again; if this recurs, check the executors' Spark files directory"
+            )
+        return data
 
 
 class _WorkerModels:
