@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkdl.spark_api import is_remote, of
 from sparkdl.storage import filesystem, redact
 
 PREFIX = ".sparkdl-reach-"
@@ -84,9 +85,13 @@ def probe_executors(spark: Any, marker: Marker) -> list[tuple[str, str]]:
     """``(host, what is missing)`` for each executor host of ``spark`` that does not see ``marker``.
 
     A Spark job of two tasks per task slot (the default parallelism) reads it back, which Spark
-    spreads over the executors; an empty list when all see it, or when the session cannot run
-    such a job (Spark Connect).
+    spreads over the executors; an empty list when all see it. A classic session runs it as an
+    RDD job; a Spark Connect client, which has no SparkContext, as
+    ``spark.range(n, numPartitions=n).mapInArrow(...)`` (its default parallelism is
+    ``spark.default.parallelism``, else what the master URL fixes, else 2).
     """
+    if is_remote(spark):
+        return _probe_over_connect(spark, marker)
     try:
         sc = spark.sparkContext
         n = 2 * max(1, int(sc.defaultParallelism))
@@ -98,3 +103,18 @@ def probe_executors(spark: Any, marker: Marker) -> list[tuple[str, str]]:
 
     seen = sc.parallelize(range(n), n).mapPartitions(probe).collect()
     return sorted({(host, why) for host, why in seen if why is not None})
+
+
+def _probe_over_connect(spark: Any, marker: Marker) -> list[tuple[str, str]]:
+    n = 2 * of(spark).default_parallelism()
+
+    def probe(batches: Any) -> Any:
+        import pyarrow as pa
+
+        for _ in batches:  # the task's one row: what matters is where the task runs
+            pass
+        yield pa.RecordBatch.from_pydict({"host": [host_name()], "missing": [marker.missing()]},
+                                         schema=pa.schema([("host", pa.string()), ("missing", pa.string())]))
+
+    seen = spark.range(n, numPartitions=n).mapInArrow(probe, "host string, missing string").collect()
+    return sorted({(row.host, row.missing) for row in seen if row.missing is not None})

@@ -19,6 +19,7 @@ import pytest
 
 import sparkdl.cli.run as cli_run
 from sparkdl import cli
+from sparkdl.errors import ConfigError
 
 CLI = [sys.executable, "-m", "sparkdl.cli"]
 
@@ -180,3 +181,106 @@ def test_help_shows_the_example() -> None:
     out = sparkdl("run", "--help")
     assert out.returncode == 0
     assert "sparkdl run -n 2 train.py --lr 0.1" in textwrap.dedent(out.stdout).replace("\n", " ").replace("  ", " ")
+
+
+# ---- --remote (Spark Connect): what needs no server ------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["doctor", "run"])
+@pytest.mark.parametrize("source", ["--remote", "SPARK_REMOTE"])
+def test_remote_with_master_is_a_usage_error_naming_both(tmp_path: Path, command: str, source: str) -> None:
+    (tmp_path / "s.py").write_text("raise SystemExit('must not run')\n")
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_REMOTE"}
+    args = [command, "--master", "local[2]"]
+    if source == "--remote":
+        args += ["--remote", "sc://127.0.0.1:15002"]
+    else:
+        env["SPARK_REMOTE"] = "sc://127.0.0.1:15002"
+    out = sparkdl(*args, *(["s.py"] if command == "run" else []), cwd=tmp_path, env=env, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "--master local[2]" in out.stderr and source in out.stderr and "sc://127.0.0.1:15002" in out.stderr, out.stderr
+    assert out.stdout == ""  # refused before any check or session
+
+
+def test_the_remote_url_comes_from_the_flag_then_the_confs_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparkdl.cli.options import remote_url
+
+    parse = cli.build_parser().parse_args
+    monkeypatch.delenv("SPARK_REMOTE", raising=False)
+    assert remote_url(parse(["doctor"]), {}) is None
+    monkeypatch.setenv("SPARK_REMOTE", "sc://env:1")
+    assert remote_url(parse(["doctor"]), {}) == "sc://env:1"
+    assert remote_url(parse(["doctor"]), {"spark.remote": "sc://conf:2"}) == "sc://conf:2"
+    assert remote_url(parse(["doctor", "--remote", "sc://flag:3"]), {"spark.remote": "sc://conf:2"}) == "sc://flag:3"
+    with pytest.raises(ConfigError, match=r"--master local and --conf spark\.remote \(sc://conf:2\)"):
+        remote_url(parse(["doctor", "--master", "local"]), {"spark.remote": "sc://conf:2"})
+
+
+@pytest.mark.parametrize("command", ["doctor", "run"])
+def test_a_connect_url_where_no_server_listens_fails_at_once(tmp_path: Path, command: str) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once this block ends
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "s.py").write_text("raise SystemExit('must not run')\n")
+    out = sparkdl(command, "--remote", f"sc://127.0.0.1:{port}", *(["s.py"] if command == "run" else []),
+                  cwd=tmp_path, timeout=60)  # pyspark's client alone retries for minutes
+    assert out.returncode == 1, out.stdout + out.stderr
+    if command == "doctor" and not _connect_client_installed():
+        # The classic stack has no Connect client: the doctor says so, and tries no session.
+        assert "the Spark Connect client needs grpcio" in out.stdout and "pip install 'sparkdl[connect]'" in out.stdout
+        assert "skipped: fix pyspark and the Spark Connect client first" in out.stdout
+        return
+    assert f"no Spark Connect server answers at 127.0.0.1:{port}" in out.stdout + out.stderr
+
+
+def _connect_client_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("grpc", "grpc_status", "zstandard"))
+
+
+def test_the_listener_takes_connections_and_closes(tmp_path: Path) -> None:
+    import socket
+
+    from sparkdl.cli.listen import Listener
+
+    listener = Listener("127.0.0.1")
+    with listener as (host, port):
+        for _ in range(3):
+            with socket.create_connection((host, port), timeout=5) as conn:
+                assert conn.recv(1) == b""  # it sends nothing and closes
+    assert listener.accepted == 3
+    with pytest.raises(OSError), socket.create_connection((host, port), timeout=5):
+        pass
+
+
+class _FakeApi:
+    remote = True
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def channel_host(self) -> str:
+        return "10.1.2.3"
+
+    def channel_mode(self) -> str:
+        return self.mode
+
+
+@pytest.mark.parametrize(("mode", "status"), [("direct", cli.ERROR), ("auto", cli.WARN), (None, cli.OK)])
+def test_the_channel_row_says_which_hosts_do_not_reach_the_client(mode: str | None, status: str) -> None:
+    from sparkdl.cli.cluster import _check_channel
+
+    rows = [{"host": "a", "address": "10.0.0.1", "channel": None},
+            {"host": "b", "address": "10.0.0.2", "channel": None if mode is None else "TimeoutError: timed out"}]
+    report = cli.Report()
+    _check_channel(report, _FakeApi(mode or "direct"), rows)  # type: ignore[arg-type]
+    (row,) = report.checks
+    assert (row.name, row.status, row.driver) == ("driver channel", status, "10.1.2.3")
+    if mode is None:
+        assert row.executors == "reached from 2/2 probe tasks"
+    else:
+        assert row.executors == "not reached from 10.0.0.2" and "TimeoutError" in row.problem
+        assert "spark.sparkdl.channelHost" in row.fix and "run the client nearer the cluster" in row.fix

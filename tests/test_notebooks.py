@@ -3,25 +3,33 @@ runs this venv's Python, as CI does. A failing cell fails the test with the cell
 
 The kernel is a real ipykernel process started by nbclient from a kernelspec written to a temp
 JUPYTER_PATH; the notebooks start their own loopback Spark session inside it and stop it at the end.
+connect.ipynb is a Spark Connect client: without SPARK_REMOTE it starts a Connect server of its own
+(tools/connect_server.py) and stops it in its last cell; it runs on the modern stack (pyspark 4)
+and is skipped, with the reason, on the classic one.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import socket
 import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from connect_server import connect_available
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["quickstart", "pipeline"]
+NAMES = ["quickstart", "pipeline", "connect"]
+# The last cell ends the Spark session the notebook started (and the Connect server it started).
+LAST_CELL = {"connect": "spark.stop()\nif server is not None:  # the Connect server this notebook started\n    server.cleanup()"}
 KERNEL = "sparkdl-test-venv"
 CELL_TIMEOUT_S = 240
 
 
-def test_both_notebooks_exist() -> None:
+def test_the_notebooks_exist() -> None:
     assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(NAMES)
 
 
@@ -36,7 +44,7 @@ def test_notebook_is_stored_without_outputs(name: str) -> None:
             assert cell.outputs == [], f"{name}.ipynb cell {i} has stored outputs: clear them"
             assert cell.execution_count is None, f"{name}.ipynb cell {i} has an execution count: clear it"
     # The last cell ends the Spark session the notebook started.
-    assert nb.cells[-1].source.strip() == "spark.stop()"
+    assert nb.cells[-1].source.strip() == LAST_CELL.get(name, "spark.stop()")
 
 
 def _descendants() -> set[int]:
@@ -70,6 +78,10 @@ def test_notebook_runs(name: str, venv_kernel: str, tmp_path: Path, monkeypatch:
     from jupyter_client.kernelspec import KernelSpecManager
     from nbclient import NotebookClient
 
+    if name == "connect":
+        if reason := connect_available():
+            pytest.skip(reason)
+        monkeypatch.delenv("SPARK_REMOTE", raising=False)  # the notebook starts its own server
     assert KernelSpecManager().get_kernel_spec(venv_kernel).argv[0] == sys.executable
     work = tmp_path / "work"
     work.mkdir()
@@ -99,9 +111,21 @@ def test_notebook_runs(name: str, venv_kernel: str, tmp_path: Path, monkeypatch:
         assert any("sparkdl progress" in json.dumps(out.get("data", {})) for out in displays), "no progress display"
         # The plot cell drew a figure.
         assert any("image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
-    else:
+    elif name == "pipeline":
         assert "the loaded pipeline gives the same predictions: True" in outputs
         assert "held-out accuracy of the custom loop" in outputs
+    else:
+        assert "over Spark Connect (pyspark.sql.connect.session); the server's master: local[2]" in outputs
+        assert "held-out accuracy over Spark Connect" in outputs
+        # The ranks ran on the server's executors; their output came back to the kernel, tagged.
+        assert "[rank 0] epoch 5: mean loss" in outputs and "[rank 1] epoch 5: mean loss" in outputs
+        from sparkdl.data import MANIFEST_NAME
+
+        assert (work / "digits-train" / MANIFEST_NAME).is_file()  # written by the server's executors
+        # The server the notebook started is stopped by its last cell: nothing listens there.
+        port = int(re.search(r"Spark Connect server: sc://127\.0\.0\.1:(\d+)", outputs).group(1))  # type: ignore[union-attr]
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
 
     # The kernel, its Spark JVM and every rank are gone once nbclient has shut the kernel down.
     deadline = time.monotonic() + 30

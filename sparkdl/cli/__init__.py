@@ -12,6 +12,10 @@
     script as ``__main__`` with ``sys.argv``, ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and the
     rest set; a failed rank reruns the whole gang.
 
+Both take ``--master URL`` for a Spark session of their own, or ``--remote sc://host:port`` (else
+``spark.remote`` from ``--conf``, else ``$SPARK_REMOTE``) to be a Spark Connect client; giving
+both is a usage error.
+
 Exit status: 0 success, 1 a failed check or run, 2 a usage error, 124 a run that timed out.
 
 The parser is here; ``doctor`` lives in :mod:`sparkdl.cli.preflight` (driver checks),

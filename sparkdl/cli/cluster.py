@@ -1,4 +1,5 @@
-"""The doctor's checks that need a Spark session: executors, task slots, executors' Python, GPUs."""
+"""The doctor's checks that need a Spark session: executors, task slots, executors' Python, the
+driver's channel, shared directories, GPUs; over a classic session or a Spark Connect client's."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from sparkdl.cli.listen import Listener
 from sparkdl.cli.probe import probe_executors
 from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
 from sparkdl.data.cache import CACHE_DIR_CONF, cache_dir
 from sparkdl.driver.cluster import RUN_DIR_CONF, executor_error, runs_root
 from sparkdl.reach import Marker
-from sparkdl.spark_api import SparkApi, of
+from sparkdl.spark_api import CHANNEL_HOST_CONF, CHANNEL_MODE_CONF, ConnectApi, SparkApi, of
 from sparkdl.storage import normalize_url, redact
 
 if TYPE_CHECKING:
@@ -44,65 +46,125 @@ def _settled_slots(api: SparkApi, wanted: int, timeout_s: float, settle_s: float
 
 def check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | None], num_workers: int,
                   timeout_s: float, driver_gpus: list[str]) -> None:
-    """Adds the session, executor, slot, executor-package and GPU-scheduling rows to ``report``.
+    """Adds the session, executor, slot, executor-package, channel and GPU rows to ``report``.
 
-    ``driver`` holds the driver's package versions, which the executors' are compared with;
-    ``timeout_s`` bounds the wait for executors and the probe job (``--timeout``).
+    ``spark`` is a classic session or a Spark Connect client's (then the driver column is this
+    client's, and what a client cannot see is said so in its row). ``driver`` holds the driver's
+    package versions, which the executors' are compared with; ``timeout_s`` bounds the wait for
+    executors and the probe job (``--timeout``).
     """
     api = of(spark)
-    sc = spark.sparkContext
-    conf = sc.getConf()
-    local = (sc.master or "").startswith("local")
-    report.add("spark session", OK, f"Spark {spark.version}, master {sc.master}")
-    if not local:
-        executors = _wait_for_executors(sc, 1, min(timeout_s / 2, 30.0))
+    conf = api.confs()
+    master = api.master
+    local = master.startswith("local")
+    if isinstance(api, ConnectApi):
+        host, port = api.server
+        report.add("spark session", OK, f"Spark {spark.version}, a Spark Connect client",
+                   f"server sc://{host}:{port}, master {master}")
+    else:
+        report.add("spark session", OK, f"Spark {spark.version}, master {master}")
+    # local-cluster[...] is one host, but its executors are JVMs of their own that register late.
+    if not api.local and not api.remote:  # a Connect client sees no executor list: the probe finds them
+        executors = _wait_for_executors(spark.sparkContext, 1, min(timeout_s / 2, 30.0))
         if executors == 0:
-            report.add("executors", ERROR, executors="none registered", problem=f"no executor registered with {sc.master}",
+            report.add("executors", ERROR, executors="none registered", problem=f"no executor registered with {master}",
                        fix="check that the cluster has free cores and memory for spark.executor.cores/memory, "
                        "and that executors can reach the driver (spark.driver.host)")
             return
-        if conf.get("spark.dynamicAllocation.enabled", "false") == "true":
-            report.add("dynamic allocation", ERROR, problem="barrier stages (sparkdl.run) do not support dynamic allocation",
-                       fix="--conf spark.dynamicAllocation.enabled=false")
-    total = _settled_slots(api, num_workers, min(timeout_s / 2, 30.0)) if not local else api.task_slots()
-    busy = api.busy_slots() or 0
-    slots_text = f"{total} total, {max((total or 0) - busy, 0)} free; need {num_workers}" if total is not None else "unknown"
-    if total is not None and total - busy < num_workers:
-        gpu = conf.get("spark.task.resource.gpu.amount", None)
-        report.add("task slots", ERROR, executors=slots_text,
-                   problem=f"sparkdl.run(num_workers={num_workers}) needs {num_workers} free task slots at once; "
-                   f"the cluster has {total - busy} (spark.task.cpus={conf.get('spark.task.cpus', '1')}"
-                   + (f", spark.task.resource.gpu.amount={gpu}" if gpu else "") + ")",
-                   fix="lower num_workers, or add executors/cores (spark.executor.instances, spark.executor.cores, "
-                   "local[N]), or lower spark.task.cpus")
-    else:
-        report.add("task slots", OK, executors=slots_text)
+    if not local and conf.get("spark.dynamicAllocation.enabled", "false") == "true":
+        report.add("dynamic allocation", ERROR, problem="barrier stages (sparkdl.run) do not support dynamic allocation",
+                   fix="--conf spark.dynamicAllocation.enabled=false" + (" on the Connect server" if api.remote else ""))
+    total = api.task_slots() if api.local or api.remote else _settled_slots(api, num_workers, min(timeout_s / 2, 30.0))
+    _check_slots(report, api, conf, total, num_workers)
 
-    partitions = max(total or 1, 1) * 2
+    partitions = max(total or api.default_parallelism(), 1) * 2
     dirs = _plant_markers(spark, conf)
     try:
-        rows = probe_executors(spark, partitions, timeout_s,
-                               {name: (m.url, m.path, m.token) for name, (m, _) in dirs.items()})
+        with Listener(api.channel_host()) as channel:
+            rows = probe_executors(api, partitions, timeout_s,
+                                   {name: (m.url, m.path, m.token) for name, (m, _) in dirs.items()}, channel)
     except TimeoutError as exc:
         report.add("executor python", ERROR, problem=str(exc),
                    fix="the cluster is busy or its executors cannot start Python; see the executor logs")
         return
+    except OSError as exc:  # the listener: not an address of this machine
+        report.add("driver channel", ERROR, api.channel_host(), problem=f"cannot listen on {api.channel_host()}: {exc}",
+                   fix=f"set {CHANNEL_HOST_CONF} to an address of this machine that the executors reach")
+        return
     except Exception as exc:
         first = executor_error(exc) or (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        report.add("executor python", ERROR, problem=f"a probe task failed: {first}",
-                   fix="set spark.pyspark.python (or PYSPARK_PYTHON on the workers) to a Python with pyspark, "
-                   "torch and sparkdl installed")
+        fix = ("the Connect server's executors run its spark.pyspark.python (PYSPARK_PYTHON where they run): "
+               "install pyarrow, torch and sparkdl in that Python" if api.remote else
+               "set spark.pyspark.python (or PYSPARK_PYTHON on the workers) to a Python with pyspark, torch and sparkdl installed")
+        report.add("executor python", ERROR, problem=f"a probe task failed: {first}", fix=fix)
         return
     finally:
         for marker, _ in dirs.values():
             marker.remove()
     envs = {r["executor"]: r for r in rows}
-    hosts = api.executor_hosts()
-    report.add("executors", OK, executors=f"{len(envs)} reached on {len(hosts) or len({r['host'] for r in rows})} "
-               f"host(s)" + (f": {', '.join(hosts)}" if hosts else ""))
-    _check_shared(report, rows, dirs, local)
+    hosts = api.executor_hosts() or sorted({str(r.get("address") or r["host"]) for r in rows})
+    report.add("executors", OK, executors=f"{len(envs)} reached on {len(hosts)} host(s): {', '.join(hosts)}")
+    _check_channel(report, api, rows)
+    _check_shared(report, rows, dirs, "this host (local mode)" if local and not api.remote else
+                  f"this {'client' if api.remote else 'driver'} and {len(rows)}/{len(rows)} probe tasks")
     _compare(report, driver, list(envs.values()))
     _check_executor_gpus(report, conf, list(envs.values()), driver_gpus)
+
+
+def _check_slots(report: Report, api: SparkApi, conf: Any, total: int | None, num_workers: int) -> None:
+    """The task slots row: the cluster's slots against ``-n``; over Spark Connect, what is not visible."""
+    cpus = f"spark.task.cpus={conf.get('spark.task.cpus', '1')}"
+    gpu = conf.get("spark.task.resource.gpu.amount", None)
+    settings = cpus + (f", spark.task.resource.gpu.amount={gpu}" if gpu else "")
+    fix = ("lower num_workers, or add executors/cores (spark.executor.instances, spark.executor.cores, "
+           "local[N]), or lower spark.task.cpus")
+    if api.remote:
+        if total is None:
+            report.add("task slots", INFO, executors=f"unknown (master {api.master}); busy slots: not visible over Spark Connect",
+                       problem=f"a Spark Connect client sees neither the task slots of {api.master} nor which are busy: "
+                       f"a sparkdl.run(num_workers={num_workers}) that cannot get its slots at once fails after "
+                       "RunConfig.start_timeout_s",
+                       fix=f"check that the cluster has {num_workers} free task slots ({settings}), or run sparkdl doctor "
+                       "with --master on a session of its own against the same cluster")
+        elif total < num_workers:
+            report.add("task slots", ERROR, executors=f"{total} total; need {num_workers}",
+                       problem=f"sparkdl.run(num_workers={num_workers}) needs {num_workers} task slots at once; "
+                       f"master {api.master} has {total} ({settings})", fix=fix + " on the Connect server")
+        else:
+            report.add("task slots", INFO, executors=f"{total} total (master {api.master}); need {num_workers}",
+                       problem="busy slots: not visible over Spark Connect, so neither are the free ones: a "
+                       f"sparkdl.run(num_workers={num_workers}) that finds them busy fails after RunConfig.start_timeout_s")
+        return
+    busy = api.busy_slots() or 0
+    slots_text = f"{total} total, {max((total or 0) - busy, 0)} free; need {num_workers}" if total is not None else "unknown"
+    if total is not None and total - busy < num_workers:
+        report.add("task slots", ERROR, executors=slots_text,
+                   problem=f"sparkdl.run(num_workers={num_workers}) needs {num_workers} free task slots at once; "
+                   f"the cluster has {total - busy} ({settings})", fix=fix)
+    else:
+        report.add("task slots", OK, executors=slots_text)
+
+
+def _check_channel(report: Report, api: SparkApi, rows: list[dict[str, Any]]) -> None:
+    """Whether every probe task reached the address where sparkdl.run's channel listens."""
+    host = api.channel_host()
+    who = "this client" if api.remote else "the driver"
+    blind = sorted({str(r.get("address") or r["host"]) for r in rows if r.get("channel")})
+    if not blind:
+        report.add("driver channel", OK, host, f"reached from {len(rows)}/{len(rows)} probe tasks")
+        return
+    why = next(str(r["channel"]) for r in rows if r.get("channel"))
+    fix = (f"set {CHANNEL_HOST_CONF} (--conf) to an address of {who} that the executors reach, and let them "
+           "connect to it (firewall)" + (", or run the client nearer the cluster" if api.remote else ""))
+    # Without the direct channel, "auto" and "relay" runs bring logs and failures back through
+    # Spark instead (sparkdl.driver.relay); "direct" runs fail.
+    mode = api.channel_mode()
+    status, effect = ((ERROR, "sparkdl.run's ranks report to it, and a task that cannot fails") if mode == "direct" else
+                      (WARN, f"with {CHANNEL_MODE_CONF}={mode}, runs bring their logs back through Spark at the end "
+                       "of each attempt instead of live"))
+    report.add("driver channel", status, host, f"not reached from {', '.join(blind)}",
+               problem=f"the executors on {', '.join(blind)} cannot open a connection to {who} at {host} ({why}): {effect}",
+               fix=fix)
 
 
 def _compare(report: Report, driver: dict[str, str | None], envs: list[dict[str, Any]]) -> None:
@@ -164,13 +226,13 @@ def _plant_markers(spark: SparkSession, conf: Any) -> dict[str, tuple[Marker, st
     return planted
 
 
-def _check_shared(report: Report, rows: list[dict[str, Any]], dirs: dict[str, tuple[Marker, str]], local: bool) -> None:
-    """A row per directory: whether every executor host sees what the driver wrote there."""
+def _check_shared(report: Report, rows: list[dict[str, Any]], dirs: dict[str, tuple[Marker, str]], scope: str) -> None:
+    """A row per directory: whether every executor host sees what the driver wrote there
+    (``scope`` says who shares it when all do)."""
     for name, (marker, setting) in dirs.items():
         where = redact(marker.url)
         blind = sorted({str(r.get("address") or r["host"]) for r in rows if name in (r.get("unshared") or {})})
         if not blind:
-            scope = "this host (local mode)" if local else f"the driver and {len(rows)}/{len(rows)} probe tasks"
             report.add(name, OK, executors=f"shared by {scope}: {where}")
             continue
         why = next(r["unshared"][name] for r in rows if name in (r.get("unshared") or {}))

@@ -1,7 +1,8 @@
 """``sparkdl doctor``: a pre-flight check of the driver, then of the cluster.
 
 The driver's checks (Java, the packages sparkdl needs, Horovod and Petastorm, GPUs) run here
-without Spark; :func:`doctor` then starts a session and adds the cluster's rows
+without Spark; :func:`doctor` then starts a session (``--remote``: a Spark Connect client's,
+which needs the Connect client's packages and no Java) and adds the cluster's rows
 (:mod:`sparkdl.cli.cluster`), prints the table and exits 1 when any row is an error.
 """
 
@@ -17,9 +18,16 @@ import sys
 from pathlib import Path
 
 from sparkdl.cli.cluster import check_cluster
-from sparkdl.cli.options import EXIT_FAILED, EXIT_OK, spark_confs
+from sparkdl.cli.options import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    cli_session,
+    remote_url,
+    spark_confs,
+)
 from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
-from sparkdl.session import create_session
+from sparkdl.errors import ConfigError
 
 MIN_JAVA = 17
 # pyspark 4's Arrow paths (mapInArrow, Arrow UDFs), which sparkdl uses, need this pyarrow.
@@ -42,10 +50,14 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _check_java(report: Report) -> None:
+def _check_java(report: Report, remote: bool = False) -> None:
+    """The java row; a Spark Connect client (``remote``) runs no JVM, so there it is never an error."""
     java_home = os.environ.get("JAVA_HOME")
     java = str(Path(java_home) / "bin" / "java") if java_home and (Path(java_home) / "bin" / "java").exists() else shutil.which("java")
     fix = f"install Java {MIN_JAVA} (e.g. apt-get install openjdk-{MIN_JAVA}-jre-headless) and put it on PATH or set JAVA_HOME"
+    if remote:
+        report.add("java", INFO, java or "not found", problem="not needed here: a Spark Connect client runs no JVM")
+        return
     if java is None:
         report.add("java", ERROR, "not found", problem="no java on PATH and no JAVA_HOME: Spark cannot start", fix=fix)
         return
@@ -92,6 +104,27 @@ def _check_driver_packages(report: Report, versions: dict[str, str | None]) -> N
         report.add("SPARK_HOME", OK, _find_spark_home())
     except Exception as exc:  # pyspark missing or broken: already reported above
         report.add("SPARK_HOME", WARN, "unknown", problem=f"cannot locate Spark: {exc}")
+
+
+def _check_connect_client(report: Report) -> None:
+    """The Spark Connect client's own packages (pyspark[connect]), which pyspark imports lazily."""
+    import importlib.util
+
+    missing = []
+    for module, dist in (("grpc", "grpcio"), ("grpc_status", "grpcio-status"), ("google.rpc", "googleapis-common-protos"),
+                         ("zstandard", "zstandard")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # "google" itself missing
+            found = False
+        if not found:
+            missing.append(dist)
+    if missing:
+        report.add("connect client", ERROR, f"missing {', '.join(missing)}",
+                   problem=f"the Spark Connect client needs {', '.join(missing)} in {sys.executable}",
+                   fix="pip install 'sparkdl[connect]' (or 'pyspark[connect]')")
+    else:
+        report.add("connect client", OK, f"grpcio {_dist_version('grpcio')}")
 
 
 def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
@@ -156,31 +189,57 @@ def _check_gpus(report: Report) -> list[str]:
 
 
 def doctor(args: argparse.Namespace) -> int:
-    """``sparkdl doctor``: prints the table and the problems; 1 when there is an error."""
+    """``sparkdl doctor``: prints the table and the problems; 1 when there is an error, 2 for a
+    usage error (``--master`` with ``--remote``)."""
+    confs: dict[str, str] = {}
+    confs_error: Exception | None = None
+    try:
+        confs = spark_confs(args)
+    except (ConfigError, OSError) as exc:  # said in the spark session row below
+        confs_error = exc
+    try:
+        url = None if args.no_spark else remote_url(args, confs)
+    except ConfigError as exc:
+        print(f"sparkdl doctor: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     report = Report()
-    _check_java(report)
+    _check_java(report, remote=url is not None)
     versions = _driver_versions()
     _check_driver_packages(report, versions)
+    if url is not None:
+        _check_connect_client(report)
     _check_optional(report, versions)
     gpus = _check_gpus(report)
-    java_ok = all(c.status != ERROR for c in report.checks if c.name in ("java", "pyspark"))
+    needed = ("pyspark", "connect client") if url is not None else ("java", "pyspark")
+    ready = all(c.status != ERROR for c in report.checks if c.name in needed)
     if args.no_spark:
         pass
-    elif not java_ok:
-        report.add("spark session", ERROR, problem="skipped: fix Java and pyspark first")
+    elif not ready:
+        report.add("spark session", ERROR, problem="skipped: fix " + ("pyspark and the Spark Connect client" if url is not None
+                                                                      else "Java and pyspark") + " first")
+    elif confs_error is not None:
+        report.add("spark session", ERROR, problem=f"Spark failed: {confs_error}", fix="fix --properties-file or --conf")
     else:
-        spark = None
-        try:
-            spark = create_session(args.master, spark_confs(args), "sparkdl-doctor", "local[*]")
-            spark.sparkContext.setLogLevel("ERROR")
-            check_cluster(report, spark, versions, args.num_workers, args.timeout, gpus)
-        except Exception as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            report.add("spark session", ERROR, problem=f"Spark failed: {first}",
-                       fix="check --master and the confs; the driver's log above has the details")
-        finally:
-            if spark is not None:
-                spark.stop()
+        _check_spark(report, args, confs, url, versions, gpus)
     # The report is the command's output, not a diagnostic.
     print(report.render())
     return EXIT_FAILED if report.errors() else EXIT_OK
+
+
+def _check_spark(report: Report, args: argparse.Namespace, confs: dict[str, str], url: str | None,
+                 versions: dict[str, str | None], gpus: list[str]) -> None:
+    """Starts the session (classic, or a Spark Connect client of ``url``) and adds the cluster's rows."""
+    spark = None
+    try:
+        spark = cli_session(args, confs, "sparkdl-doctor", "local[*]")
+        if url is None:
+            spark.sparkContext.setLogLevel("ERROR")
+        check_cluster(report, spark, versions, args.num_workers, args.timeout, gpus)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        report.add("spark session", ERROR, problem=f"Spark failed{f' (Spark Connect {url})' if url else ''}: {first}",
+                   fix=f"check that a Spark Connect server listens at {url} and that this machine reaches it" if url
+                   else "check --master and the confs; the driver's log above has the details")
+    finally:
+        if spark is not None:
+            spark.stop()

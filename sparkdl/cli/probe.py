@@ -1,12 +1,17 @@
 """The doctor's Spark job: what each executor's Python has, reported back to the driver.
 
-This module imports nothing from sparkdl, and :func:`probe_executors` ships it by value: the
-probe runs, and says what is missing, on executors where sparkdl itself is not installed.
+The executor side of this module imports nothing from sparkdl, and :func:`probe_executors`
+ships it by value: the probe runs, and says what is missing, on executors where sparkdl itself
+is not installed. On a classic session the job is an RDD job (it needs nothing but Python on the
+executors); a Spark Connect client has no RDDs, so there it is
+``spark.range(n, numPartitions=n).mapInArrow(...)``, which needs pyarrow on the executors (a
+probe that fails for want of it says so).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import threading
@@ -14,7 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from sparkdl.spark_api import SparkApi
 
 
 def _sees(url: str, path: str, token: str) -> str | None:
@@ -36,9 +41,24 @@ def _sees(url: str, path: str, token: str) -> str | None:
     return None if found == token else "another directory of the same name"
 
 
-def _executor_probe(markers: dict[str, tuple[str, str, str]], _: Any) -> Iterator[dict[str, Any]]:
-    """Runs in an executor's Python worker: what sparkdl cares about there, and whether it sees
-    the driver's marker in each of ``markers`` (name: (url, path, token)). Self-contained."""
+def _reaches(channel: tuple[str, int] | None) -> str | None:
+    """None when a TCP connection to ``channel`` (host, port) opens from here within 5 s; else why not."""
+    import socket
+
+    if channel is None:
+        return None
+    try:
+        with socket.create_connection(channel, timeout=5):
+            return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _executor_probe(markers: dict[str, tuple[str, str, str]], channel: tuple[str, int] | None,
+                    _: Any) -> Iterator[dict[str, Any]]:
+    """Runs in an executor's Python worker: what sparkdl cares about there, whether it sees the
+    driver's marker in each of ``markers`` (name: (url, path, token)), and whether it reaches the
+    driver's ``channel`` address (under ``"channel"``: None, or why not). Self-contained."""
     import importlib.metadata as md
     import os
     import socket
@@ -58,6 +78,7 @@ def _executor_probe(markers: dict[str, tuple[str, str, str]], _: Any) -> Iterato
         "executable": sys.executable,
         "address": os.environ.get("SPARK_LOCAL_IP"),
         "unshared": {name: why for name, (url, path, token) in markers.items() if (why := _sees(url, path, token))},
+        "channel": _reaches(channel),
     }
     for name in ("pyspark", "torch", "pyarrow", "numpy", "pandas", "cloudpickle", "sparkdl", "horovod", "petastorm"):
         facts[name] = version(name)
@@ -86,27 +107,50 @@ def _executor_probe(markers: dict[str, tuple[str, str, str]], _: Any) -> Iterato
     yield facts
 
 
-def probe_executors(spark: SparkSession, partitions: int, timeout_s: float,
-                    markers: dict[str, tuple[str, str, str]] | None = None) -> list[dict[str, Any]]:
-    """Runs the probe on ``partitions`` tasks within ``timeout_s``; cancels the job after that.
+def _arrow_probe(markers: dict[str, tuple[str, str, str]], channel: tuple[str, int] | None,
+                 batches: Iterator[Any]) -> Iterator[Any]:
+    """:func:`_executor_probe` as a ``mapInArrow`` function: one row per task, its facts as JSON."""
+    import json
 
-    Returns one dict per task (host, executor, Python, package versions, task GPUs, and which of
-    ``markers`` its host does not see, under ``"unshared"``). Raises
-    ``TimeoutError`` naming ``--timeout`` when the tasks did not all run in time, and re-raises
-    the job's own error when a task failed.
+    import pyarrow as pa
+
+    for _ in batches:  # the task's one input row: what matters is where the task runs
+        pass
+    facts = [json.dumps(f) for f in _executor_probe(markers, channel, None)]
+    yield pa.RecordBatch.from_pydict({"facts": facts}, schema=pa.schema([("facts", pa.string())]))
+
+
+def probe_executors(api: SparkApi, partitions: int, timeout_s: float, markers: dict[str, tuple[str, str, str]] | None = None,
+                    channel: tuple[str, int] | None = None) -> list[dict[str, Any]]:
+    """Runs the probe on ``partitions`` tasks of ``api``'s session (a
+    :class:`sparkdl.spark_api.SparkApi`) within ``timeout_s``; cancels the job after that.
+
+    Returns one dict per task (host, executor, Python, package versions, task GPUs, which of
+    ``markers`` its host does not see, under ``"unshared"``, and whether it reached ``channel``,
+    under ``"channel"``). Raises ``TimeoutError`` naming ``--timeout`` when the tasks did not all
+    run in time, and re-raises the job's own error when a task failed.
     """
     from pyspark import cloudpickle as spark_cloudpickle
 
-    sc = spark.sparkContext
+    spark = api.session
     group = f"sparkdl-doctor-{os.getpid()}"
     box: dict[str, Any] = {}
+    markers = markers or {}
 
     def job() -> None:
         try:
-            sc.setJobGroup(group, "sparkdl doctor: executor environment", interruptOnCancel=True)
-            box["rows"] = sc.parallelize(range(partitions), partitions).mapPartitions(functools.partial(_executor_probe, markers or {})).collect()
+            api.tag_jobs(group, "sparkdl doctor: executor environment")
+            if api.remote:
+                df = spark.range(partitions, numPartitions=partitions)
+                rows = df.mapInArrow(functools.partial(_arrow_probe, markers, channel), "facts string").collect()
+                box["rows"] = [json.loads(r.facts) for r in rows]
+            else:
+                probe = functools.partial(_executor_probe, markers, channel)
+                box["rows"] = spark.sparkContext.parallelize(range(partitions), partitions).mapPartitions(probe).collect()
         except BaseException as exc:
             box["error"] = exc
+        finally:
+            api.untag_jobs(group)
 
     # By value, so that the probe runs (and reports) even where sparkdl is not installed.
     module = sys.modules[__name__]
@@ -118,7 +162,7 @@ def probe_executors(spark: SparkSession, partitions: int, timeout_s: float,
     finally:
         spark_cloudpickle.unregister_pickle_by_value(module)
     if thread.is_alive():
-        sc.cancelJobGroup(group)
+        api.cancel(group)
         thread.join(10)
         raise TimeoutError(f"the executors did not run {partitions} probe tasks within {timeout_s:g} s (--timeout)")
     if "error" in box:

@@ -1,7 +1,9 @@
 """``sparkdl run``: an existing torch.distributed script on N gang-scheduled Spark workers.
 
 Every rank runs the script as ``__main__`` with the command's ``sys.argv``, as ``torchrun``
-would; the exit status says how the run ended (see :mod:`sparkdl.cli`).
+would; the exit status says how the run ended (see :mod:`sparkdl.cli`). With ``--remote`` the
+command is a Spark Connect client: the ranks run on the server's executors and their output
+comes back over sparkdl's channel to this process, as from a classic session.
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sparkdl.cli.options import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, spark_confs
-from sparkdl.session import create_session
+from sparkdl.cli.options import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    EXIT_USAGE,
+    cli_session,
+    remote_url,
+    spark_confs,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -39,7 +48,7 @@ def run_script(source: str, path: str, argv: list[str], cwd: str) -> None:
 
 def _session(args: argparse.Namespace, script: Path, confs: Mapping[str, str]) -> SparkSession:
     # One seam for the session, which tests replace to check exit statuses without a JVM.
-    return create_session(args.master, confs, f"sparkdl-run-{script.name}", f"local[{args.num_workers}]")
+    return cli_session(args, confs, f"sparkdl-run-{script.name}", f"local[{args.num_workers}]")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -56,10 +65,18 @@ def run_command(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts, timeout_s=args.timeout, start_timeout_s=args.start_timeout,
         )
         confs = spark_confs(args)
+        remote_url(args, confs)  # --master with --remote (or SPARK_REMOTE): a usage error, before any session
     except sparkdl.ConfigError as exc:
         print(f"sparkdl run: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    spark = _session(args, path, confs)
+    try:
+        spark = _session(args, path, confs)
+    except Exception as exc:  # no JVM, a Connect server that does not answer: said in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        where = remote_url(args, confs)
+        print(f"sparkdl run: cannot start the Spark session{f' (Spark Connect {where})' if where else ''}: {first}",
+              file=sys.stderr)
+        return EXIT_FAILED
     try:
         sparkdl.run(
             run_script, path.read_text(), str(path.resolve()), list(args.script_args), os.getcwd(),
