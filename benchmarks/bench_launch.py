@@ -8,11 +8,13 @@ TorchDistributor's tasks return without reading their input, so Spark retires th
 workers; each sparkdl run after one starts on new Python workers, and what keeps it warm is the
 executor's zygote (see the README's "Warm start"), which outlives them.
 
-    .venv/bin/python benchmarks/bench_launch.py [--runs 5] [--master local[2]] [--remote [URL]]
+    .venv/bin/python benchmarks/bench_launch.py [--runs 5] [--master local[2]] [--remote [URL]] [--relay]
 
 ``--remote``: the same over Spark Connect, both launchers on a Connect client session; with no
 URL, a Connect server of ``--master`` is started on 127.0.0.1 for the run (tools/connect_server.py).
-Compare its medians with a classic run's on the same machine.
+Compare its medians with a classic run's on the same machine. ``--relay``: also times sparkdl
+with ``spark.sparkdl.channel=relay`` (the ranks report through Spark's result rows, as for a
+client the executors cannot reach), alternating with the default, and prints relay / default.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
     parser.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
     parser.add_argument("--remote", nargs="?", const="start", metavar="URL",
                         help="over Spark Connect: sc://host:port, or none to start a server of --master")
+    parser.add_argument("--relay", action="store_true", help="also time sparkdl with spark.sparkdl.channel=relay")
     args = parser.parse_args()
 
     from pyspark.ml.torch.distributor import TorchDistributor
@@ -90,19 +93,31 @@ def main() -> None:
     def run_td() -> object:
         return TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(allreduce_torchrun_style)
 
-    print("warming up both launchers ...", flush=True)
-    _time(run_sparkdl)
-    _time(run_td)
-    ours, theirs = [], []
+    def run_relayed() -> object:
+        spark.conf.set("spark.sparkdl.channel", "relay")
+        try:
+            return sparkdl.run(allreduce_with_sparkdl_group, num_workers=2, config=quiet)
+        finally:
+            spark.conf.unset("spark.sparkdl.channel")
+
+    launchers = {"sparkdl": run_sparkdl, "TorchDistributor": run_td}
+    if args.relay:
+        launchers["sparkdl relayed"] = run_relayed
+    print(f"warming up {', '.join(launchers)} ...", flush=True)
+    for fn in launchers.values():
+        _time(fn)
+    times: dict[str, list[float]] = {name: [] for name in launchers}
     for i in range(args.runs):
-        ours.append(_time(run_sparkdl))
-        theirs.append(_time(run_td))
-        print(f"run {i}: sparkdl {ours[-1]:.2f} s, TorchDistributor {theirs[-1]:.2f} s", flush=True)
-    m_ours, m_theirs = statistics.median(ours), statistics.median(theirs)
+        for name, fn in launchers.items():
+            times[name].append(_time(fn))
+        print(f"run {i}: " + ", ".join(f"{name} {t[-1]:.2f} s" for name, t in times.items()), flush=True)
+    med = {name: statistics.median(t) for name, t in times.items()}
     print()
-    print(f"sparkdl.run (2 ranks, warm)          median {m_ours:.2f} s  (min {min(ours):.2f}, max {max(ours):.2f})")
-    print(f"TorchDistributor (2 procs, warm)     median {m_theirs:.2f} s  (min {min(theirs):.2f}, max {max(theirs):.2f})")
-    print(f"ratio sparkdl / TorchDistributor     {m_ours / m_theirs:.3f}  (target <= 0.25)")
+    for name, t in times.items():
+        print(f"{name + ' (2 ranks, warm)':36} median {med[name]:.2f} s  (min {min(t):.2f}, max {max(t):.2f})")
+    print(f"ratio sparkdl / TorchDistributor     {med['sparkdl'] / med['TorchDistributor']:.3f}  (target <= 0.25)")
+    if args.relay:
+        print(f"ratio relayed / default channel      {med['sparkdl relayed'] / med['sparkdl']:.3f}")
     spark.stop()
     if server is not None:
         server.cleanup()

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -146,6 +147,25 @@ def wait_no_leaks(before: set[tuple[str, int, int]], timeout_s: float = 20.0) ->
             raise AssertionError(
                 f"left running after the run: rank processes {details}, listeners {new_listeners}"
             )
+        time.sleep(0.2)
+
+
+def wait_for_pids(proc: subprocess.Popen[Any], files: list[Path], timeout_s: float = 120) -> list[int]:
+    """The pids that ranks wrote to ``files``, once all are there, while ``proc`` (their client) runs."""
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() and p.read_text() for p in files):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in files]
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    return pids
+
+
+def wait_ended(pids: list[int], timeout_s: float, after: str) -> None:
+    """Fails unless every process of ``pids`` ends (or is a zombie) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while alive := [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, f"ranks {alive} still run {timeout_s:g} s after {after}"
         time.sleep(0.2)
 
 

@@ -12,13 +12,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+from conftest import wait_ended, wait_for_pids
 from connect_server import ConnectServer, connect_available
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,17 +91,8 @@ def test_a_client_that_dies_mid_run_leaves_no_rank_running(server: ConnectServer
     proc = subprocess.Popen([sys.executable, str(CLIENT), server.url, "orphan", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        pid_files = [tmp_path / f"pid-{r}" for r in range(2)]
-        while not all(p.exists() and p.read_text() for p in pid_files):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()[-3000:]
-            time.sleep(0.2)
-        ranks = [int(p.read_text()) for p in pid_files]
-        assert all(psutil.pid_exists(pid) for pid in ranks)
+        ranks = wait_for_pids(proc, [tmp_path / f"pid-{r}" for r in range(2)])
     finally:
         proc.send_signal(signal.SIGKILL)  # no clean-up of its own: the server outlives it
         proc.wait(timeout=10)
-    deadline = time.monotonic() + 60
-    while alive := [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]:
-        assert time.monotonic() < deadline, f"ranks {alive} still run 60 s after their client died"
-        time.sleep(0.2)
+    wait_ended(ranks, 60, "their client died")

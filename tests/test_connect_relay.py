@@ -24,6 +24,7 @@ from typing import Any
 import isolated_client
 import psutil
 import pytest
+from conftest import wait_ended, wait_for_pids
 from connect_server import ConnectServer, connect_available
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,12 +79,7 @@ def test_a_connect_server_that_dies_ends_the_run_and_its_ranks(server: ConnectSe
     proc = subprocess.Popen([sys.executable, str(CLIENT), server.url, "serverdies", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        pid_files = [tmp_path / f"pid-{r}" for r in range(2)]
-        while not all(p.exists() and p.read_text() for p in pid_files):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()[-3000:]
-            time.sleep(0.2)
-        ranks = [int(p.read_text()) for p in pid_files]
+        ranks = wait_for_pids(proc, [tmp_path / f"pid-{r}" for r in range(2)])
         assert server.proc is not None
         jvm = server.proc.pid
         assert psutil.Process(jvm).name() == "java"
@@ -99,7 +95,4 @@ def test_a_connect_server_that_dies_ends_the_run_and_its_ranks(server: ConnectSe
     # would retry its call for minutes), and the client process exits.
     assert r["error"] and "RunFailedError" in r["error"] and "Spark Connect server at" in r["error"], out[-3000:]
     assert time.monotonic() - killed < 60
-    deadline = time.monotonic() + 60
-    while alive := [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]:
-        assert time.monotonic() < deadline, f"ranks {alive} still run 60 s after their Connect server died"
-        time.sleep(0.2)
+    wait_ended(ranks, 60, "their Connect server died")

@@ -15,12 +15,15 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
+from resources import recording_net
+from resources.recording_net import RecordingNet, per_pid
 
 import sparkdl
 from sparkdl import ConfigError, TorchEstimator, TorchModel
 
 # Models, factories and losses below travel to the ranks and executors by value, as a notebook's do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(recording_net)
 
 pytestmark = pytest.mark.spark
 
@@ -227,36 +230,6 @@ def test_bad_params_are_refused_at_once() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class RecordingNet(torch.nn.Module):
-    """Logs every load (unpickling) and every forward call's batch size, per process, to files."""
-
-    def __init__(self, log_dir: str, n_in: int, n_out: int) -> None:
-        super().__init__()
-        self.log_dir = log_dir
-        torch.manual_seed(3)
-        self.linear = torch.nn.Linear(n_in, n_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with open(os.path.join(self.log_dir, f"forward-{os.getpid()}"), "a") as f:
-            f.write(f"{len(x)}\n")
-        return self.linear(x)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        with open(os.path.join(self.log_dir, f"load-{os.getpid()}"), "a") as f:
-            f.write("load\n")
-
-
-def _per_pid(log_dir: Path, kind: str) -> dict[int, list[str]]:
-    me = os.getpid()
-    found = {}
-    for path in log_dir.glob(f"{kind}-*"):
-        pid = int(path.name.split("-")[1])
-        if pid != me:
-            found[pid] = path.read_text().split()
-    return found
-
-
 @pytest.fixture(scope="module")
 def feature_rows(spark):  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(1)
@@ -283,11 +256,11 @@ def test_transform_is_vectorized_and_loads_once_per_worker(spark, feature_rows, 
         want = net.linear(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
-    calls = [int(n) for sizes in _per_pid(log_dir, "forward").values() for n in sizes]
+    calls = [int(n) for sizes in per_pid(log_dir, "forward", skip_pid=os.getpid()).values() for n in sizes]
     assert sum(calls) == len(x)
     assert max(calls) <= 256
     assert len(calls) <= len(x) // 100, f"{len(calls)} model calls for {len(x)} rows: not vectorized"
-    loads = _per_pid(log_dir, "load")
+    loads = per_pid(log_dir, "load", skip_pid=os.getpid())
     assert loads and all(len(v) == 1 for v in loads.values()), loads
     assert df.rdd.getNumPartitions() > len(loads), "every task loaded the model: no per-worker cache"
 
@@ -296,7 +269,7 @@ def test_transform_is_vectorized_and_loads_once_per_worker(spark, feature_rows, 
     classified = model.copy().setTask("classification")  # the same module, so the same cache entry
     by_id = {r["id"]: r["prediction"] for r in classified.transform(as_vectors).select("id", "prediction").collect()}
     assert [by_id[i] for i in range(len(x))] == want.argmax(axis=1).astype(np.float64).tolist()
-    assert all(len(v) == 1 for v in _per_pid(log_dir, "load").values()), "a worker loaded the model twice"
+    assert all(len(v) == 1 for v in per_pid(log_dir, "load", skip_pid=os.getpid()).values()), "a worker loaded the model twice"
 
 
 def test_transform_on_the_pandas_path_matches(spark, feature_rows, monkeypatch):  # type: ignore[no-untyped-def]

@@ -221,7 +221,8 @@ def _check_scoring(cuda: bool) -> list[Result]:
         want = model(torch.from_numpy(x)).reshape(-1).double().numpy()
 
     def score(use_gpu: bool) -> tuple[np.ndarray, str]:
-        scorer = scoring.Scorer(model_id=f"gpu-check-{use_gpu}", source=cloudpickle.dumps(model), task=REGRESSION,
+        data = cloudpickle.dumps(model)
+        scorer = scoring.Scorer(model_id=scoring.model_id_of(data), source=data, task=REGRESSION,
                                 num_features=16, batch_rows=1024, use_gpu=use_gpu, features_col="features",
                                 vector_out=False)
         out = list(scoring._score_batches(scorer, iter([arr.slice(0, 1700), arr.slice(1700)])))

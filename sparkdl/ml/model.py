@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import tempfile
@@ -21,7 +20,7 @@ from sparkdl.ml.columns import check_features_type, features_expr
 from sparkdl.ml.params import ScoringParams
 from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable, check_connect_client
 from sparkdl.ml.plan import REGRESSION
-from sparkdl.ml.scoring import Scorer, scoring_column
+from sparkdl.ml.scoring import Scorer, model_id_of, scoring_column
 from sparkdl.ml.training import input_dtype
 
 if TYPE_CHECKING:
@@ -126,7 +125,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         # model in each worker's cache.
         data = cloudpickle.dumps(module, protocol=5)
         self._module_bytes = data
-        self._model_id = hashlib.sha256(data).hexdigest()[:24]
+        self._model_id = model_id_of(data)
         self._broadcast = None
         self._shipped = set()
 
@@ -190,7 +189,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
 
     def _set_extra_state(self, meta: Mapping[str, Any], blobs: Mapping[str, bytes]) -> None:
         self._module_bytes = blobs["module"]
-        self._model_id = hashlib.sha256(self._module_bytes).hexdigest()[:24]
+        self._model_id = model_id_of(self._module_bytes)
         self._broadcast = None
         self._shipped = set()
         self._num_features = meta.get("numFeatures")

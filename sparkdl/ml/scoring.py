@@ -45,6 +45,11 @@ __all__ = ["Scorer", "scoring_column"]
 _WORKER_CACHE_SIZE = 2
 
 
+def model_id_of(data: bytes) -> str:
+    """A pickled module's id: the key of the workers' cache, checked against the bytes they get."""
+    return hashlib.sha256(data).hexdigest()[:24]
+
+
 @dataclass(frozen=True)
 class Scorer:
     """What the scoring UDF closes over: small and picklable; the module itself is in ``source``."""
@@ -76,7 +81,7 @@ class Scorer:
                 data = f.read()
         else:
             data = cast(bytes, self.source.value)
-        if hashlib.sha256(data).hexdigest()[:24] != self.model_id:
+        if model_id_of(data) != self.model_id:
             raise SparkDLError(
                 f"the model's bytes that reached this Python worker (pid {os.getpid()}) do not match the "
                 f"model (id {self.model_id}), so they are not unpickled: the file or broadcast was damaged or "

@@ -16,11 +16,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import numpy as np
+import recording_net  # next to this script
 import torch
+from recording_net import RecordingNet, per_pid
 
 import sparkdl
 from sparkdl import ConfigError, TorchEstimator, TorchModel
+
+cloudpickle.register_pickle_by_value(recording_net)  # the executors cannot import it
 
 FAST = sparkdl.RunConfig(start_timeout_s=120, slot_wait_s=5, connect_timeout_s=30, kill_grace_s=20)
 PIXELS = [f"p{i}" for i in range(64)]
@@ -123,30 +128,6 @@ def scenario_pipeline(spark: Any, work: str) -> dict[str, Any]:
     return out
 
 
-class RecordingNet(torch.nn.Module):
-    """Logs every load (unpickling) and every forward call's batch size, per process, to files."""
-
-    def __init__(self, log_dir: str, n_in: int, n_out: int) -> None:
-        super().__init__()
-        self.log_dir = log_dir
-        torch.manual_seed(3)
-        self.linear = torch.nn.Linear(n_in, n_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with open(os.path.join(self.log_dir, f"forward-{os.getpid()}"), "a") as f:
-            f.write(f"{len(x)}\n")
-        return self.linear(x)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        with open(os.path.join(self.log_dir, f"load-{os.getpid()}"), "a") as f:
-            f.write("load\n")
-
-
-def _per_pid(log_dir: Path, kind: str) -> dict[str, list[str]]:
-    return {p.name.split("-")[1]: p.read_text().split() for p in log_dir.glob(f"{kind}-*")}
-
-
 def scenario_once(spark: Any, work: str) -> dict[str, Any]:
     """TorchModel.transform: the model's file is uploaded once, and loaded once per Python worker."""
     from pyspark.ml.functions import array_to_vector
@@ -175,15 +156,15 @@ def scenario_once(spark: Any, work: str) -> dict[str, Any]:
     with torch.no_grad():
         want = net.linear(torch.from_numpy(x)).numpy()
     out["close"] = bool(np.allclose(got, want, rtol=1e-5, atol=1e-6))
-    out["forward_calls"] = [int(n) for sizes in _per_pid(log_dir, "forward").values() for n in sizes]
-    out["loads_first"] = _per_pid(log_dir, "load")
+    out["forward_calls"] = [int(n) for sizes in per_pid(log_dir, "forward").values() for n in sizes]
+    out["loads_first"] = per_pid(log_dir, "load")
 
     # Another job, on ML vectors, by a copy (the same module): no upload, no load in a warm worker.
     classified = model.copy().setTask("classification")
     as_vectors = df.withColumn("features", array_to_vector("features"))
     by_id = {r["id"]: r["prediction"] for r in classified.transform(as_vectors).select("id", "prediction").collect()}
     out["classified_ok"] = [by_id[i] for i in range(len(x))] == want.argmax(axis=1).astype(np.float64).tolist()
-    out["loads"] = _per_pid(log_dir, "load")
+    out["loads"] = per_pid(log_dir, "load")
     out["uploads"] = list(uploads)
     out["client_pid"] = str(os.getpid())
     out["partitions"] = 8
