@@ -86,9 +86,10 @@ class SparkLauncher(Launcher):
                 job_index += 1
                 if outcome.relayed is not None and not said:
                     said = True
-                    log.warning("sparkdl: the ranks could not reach this driver at %s:%d: their output and "
-                                "ends came back through Spark at the end of each attempt (spark.sparkdl.channel=%s)",
-                                *server.address, mode)
+                    host, port = server.address
+                    why = "reported through Spark" if mode == "relay" else f"could not reach this driver at {host}:{port}"
+                    log.warning("sparkdl: the ranks %s: their output and ends came back through Spark at the end "
+                                "of each attempt (spark.sparkdl.channel=%s)", why, mode)
                 if outcome.result is not None:
                     return outcome.result
                 if monitor.attempts_seen() == before and outcome.verdict is None and before > 0:
