@@ -124,7 +124,7 @@ class Hub:
             ask_all = False
             with mon.cond:
                 now = time.monotonic()
-                recs = [rec for (a, _), rec in mon.records.items() if a == self.first_attempt]
+                recs = self._records()
                 if len(self._keys) >= n and set(self._keys) <= self._closed:
                     return
                 if settle_by is not None:
@@ -163,11 +163,15 @@ class Hub:
                 with contextlib.suppress(OSError, ChannelError):
                     conn.send(Stop(reason).encode())
 
+    def _records(self) -> list[Any]:
+        """The records of this hub's attempt (call with the monitor's ``cond`` held)."""
+        return [rec for (a, _), rec in self.monitor.records.items() if a == self.first_attempt]
+
     def finish(self) -> Record:
         """Once this task has hung up: waits for the attempt to settle, then the signed record."""
         self._watcher.join()
         with self.monitor.cond:
-            recs = [rec for (a, _), rec in self.monitor.records.items() if a == self.first_attempt]
+            recs = self._records()
             succeeded = (self._stop is None and len(recs) == self.run.world_size
                          and all(rec.state is RankState.SUCCEEDED for rec in recs))
             body = {
@@ -185,14 +189,18 @@ class Hub:
         self._server.close()
 
 
+def _tag(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, _DOMAIN + body, hashlib.sha256).digest()
+
+
 def sign(secret: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, _DOMAIN + body, hashlib.sha256).digest() + body
+    return _tag(secret, body) + body
 
 
 def verified(secret: bytes, blob: bytes) -> dict[str, Any]:
     """The record in ``blob`` if its signature is the run's; SparkDLError otherwise."""
     tag, body = blob[:32], blob[32:]
-    if len(blob) < 32 or not hmac.compare_digest(tag, hmac.new(secret, _DOMAIN + body, hashlib.sha256).digest()):
+    if len(blob) < 32 or not hmac.compare_digest(tag, _tag(secret, body)):
         raise SparkDLError(
             "the ranks' relayed record (their output and ends, returned through Spark because the executors "
             "cannot reach this driver) failed authentication: it was not written by this run's tasks"

@@ -181,10 +181,11 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         tid = ctx.taskAttemptId()
         unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
         hello = Hello(host, os.getpid(), tid, unshared)
+        not_shared = f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}"
         if conn is not None:
             link.send(hello)
             if unshared is not None:
-                raise RankFailed(f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}")
+                raise RankFailed(not_shared)
         port = listener.getsockname()[1] if listener else None
         me = {"host": host, "port": port, "tid": tid, "direct": conn is not None, "hub": hub.port if hub else None}
         members = [json.loads(m) for m in ctx.allGather(json.dumps(me))]
@@ -202,7 +203,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         try:
             assert conn is not None
             if relayed and unshared is not None:
-                raise RankFailed(f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}")
+                raise RankFailed(not_shared)
             # PySpark tasks cannot see their stage attempt number; the driver numbers attempts by the
             # set of task ids that formed each gang, which every rank of a gang reports identically.
             link.send(Gang(tuple(sorted(m["tid"] for m in members))))
@@ -332,10 +333,7 @@ def _assigned_gpus(ctx: Any, run: RunSpec, rank: int) -> list[str]:
 def _record_batches(pa: Any, blob: bytes) -> Iterator[Any]:
     """The hub's record of the attempt, in chunks numbered -1, -2, ... (rank 0's result: 0, 1, ...)."""
     for i in range(0, max(len(blob), 1), RESULT_CHUNK_BYTES):
-        yield pa.RecordBatch.from_arrays(
-            [pa.array([-1 - i // RESULT_CHUNK_BYTES], pa.int64()), pa.array([blob[i : i + RESULT_CHUNK_BYTES]], pa.binary())],
-            names=["chunk", "data"],
-        )
+        yield _chunk(pa, -1 - i // RESULT_CHUNK_BYTES, blob[i : i + RESULT_CHUNK_BYTES])
 
 
 def _result_batches(pa: Any, path: Path) -> Iterator[Any]:
@@ -345,8 +343,11 @@ def _result_batches(pa: Any, path: Path) -> Iterator[Any]:
             chunk = f.read(RESULT_CHUNK_BYTES)
             if not chunk and index > 0:
                 return
-            yield pa.RecordBatch.from_arrays(
-                [pa.array([index], pa.int64()), pa.array([chunk], pa.binary())],
-                names=["chunk", "data"],
-            )
+            yield _chunk(pa, index, chunk)
             index += 1
+
+
+def _chunk(pa: Any, index: int, data: bytes) -> Any:
+    """One row of the stage's result (its schema: sparkdl.driver.spark's ``chunk long, data binary``)."""
+    return pa.RecordBatch.from_arrays([pa.array([index], pa.int64()), pa.array([data], pa.binary())],
+                                      names=["chunk", "data"])
