@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sparkdl._validate import int_at_least, positive_seconds
+from sparkdl.errors import ConfigError
 
 # Durations in seconds: each must be positive; timeout_s may also be None (no limit).
 _SECONDS = (
@@ -19,6 +20,7 @@ _SECONDS = (
     "outcome_wait_s",
     "progress_interval_s",
 )
+HOROVOD_CONTROLLERS = ("gloo", "mpi")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,12 @@ class RunConfig:
                 cfg = sparkdl.RunConfig(min_workers=2, slot_wait_s=60)
                 result = sparkdl.launch(train, num_workers=4, max_attempts=4, config=cfg)
                 result.world_sizes  # e.g. [4, 3]: an executor was lost during attempt 0
+        horovod_controller: with ``backend="horovod"``, what coordinates Horovod's ranks:
+            ``"gloo"`` (the default; Horovod's Gloo over TCP) or ``"mpi"`` (the ranks form one
+            Open MPI job, ``hvd.mpi_enabled()`` is True, and MPI carries Horovod's CPU
+            collectives: for clusters whose MPI uses InfiniBand/RDMA). With ``"mpi"`` each task
+            starts its rank's part of the job (no ssh); Open MPI 4 (``mpirun``, ``orted``) is
+            needed on the driver and every executor, and Horovod built with MPI.
     """
 
     max_attempts: int | None = None
@@ -105,6 +113,7 @@ class RunConfig:
     prewarm: bool = True
     outcome_wait_s: float = 10.0
     min_workers: int | None = None
+    horovod_controller: str = "gloo"
 
     def __post_init__(self) -> None:
         int_at_least("max_attempts", self.max_attempts, 1, note=" (1 means no rerun)", allow_none=True)
@@ -115,6 +124,11 @@ class RunConfig:
         int_at_least("RunConfig.keep_checkpoints", self.keep_checkpoints, 1)
         int_at_least("RunConfig.min_workers", self.min_workers, 1, allow_none=True,
                      note=" (the fewest ranks a shrunk gang may run on)")
+        if self.horovod_controller not in HOROVOD_CONTROLLERS:
+            raise ConfigError(
+                f"RunConfig.horovod_controller={self.horovod_controller!r} is unknown; choose "
+                f"{' or '.join(map(repr, HOROVOD_CONTROLLERS))}"
+            )
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` applied and validated, e.g. ``cfg.replace(timeout_s=600)``."""

@@ -53,6 +53,7 @@ class RankSpec:
     init_process_group: bool = True
     checkpoint_url: str | None = None
     keep_checkpoints: int = RunConfig.keep_checkpoints
+    horovod_controller: str = RunConfig.horovod_controller
 
     @classmethod
     def of(cls, run: RunSpec, *, rank: int, host: str, gpu_ids: list[str], task_pid: int) -> RankSpec:
@@ -68,6 +69,7 @@ class RankSpec:
             init_process_group=run.config.init_process_group,
             checkpoint_url=run.checkpoint_url,
             keep_checkpoints=run.config.keep_checkpoints,
+            horovod_controller=run.config.horovod_controller,
         )
 
 
@@ -113,6 +115,7 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
         PREFIX + "COLLECTIVE_TIMEOUT_S": str(spec.collective_timeout_s),
         PREFIX + "INIT_PROCESS_GROUP": "1" if spec.init_process_group else "0",
         PREFIX + "KEEP_CHECKPOINTS": str(spec.keep_checkpoints),
+        PREFIX + "HOROVOD_CONTROLLER": spec.horovod_controller,
     }
     if spec.task_pid is not None:
         # The Python worker running this rank's Spark task (a forked rank's parent is the zygote).
@@ -179,6 +182,7 @@ def read_rank(env: Mapping[str, str] | None = None) -> RankSpec:
         init_process_group=env.get(PREFIX + "INIT_PROCESS_GROUP", "1") == "1",
         checkpoint_url=env.get(PREFIX + "CHECKPOINT_DIR") or None,
         keep_checkpoints=int(env.get(PREFIX + "KEEP_CHECKPOINTS", RunConfig.keep_checkpoints)),
+        horovod_controller=env.get(PREFIX + "HOROVOD_CONTROLLER", RunConfig.horovod_controller),
     )
 
 

@@ -84,14 +84,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _rank_processes() -> list[psutil.Process]:
-    """Live rank processes: fresh interpreters (``-m sparkdl.rank``) and ranks forked by a zygote."""
+    """Live rank processes: fresh interpreters (``-m sparkdl.rank``) and ranks forked by a zygote,
+    and an MPI job's (mpirun, its daemons, sparkdl's agents and proxies)."""
     found = []
     for proc in psutil.process_iter(["cmdline", "name", "status"]):
         cmd = proc.info.get("cmdline") or []
         name = proc.info.get("name") or ""
         if proc.info.get("status") == psutil.STATUS_ZOMBIE:
             continue
-        if "sparkdl.rank" in cmd or name.startswith("sparkdl-rank"):
+        if "sparkdl.rank" in cmd or name.startswith("sparkdl-rank") or "sparkdl.task.mpi_proxy" in cmd \
+                or name in ("orted", "mpirun"):
             found.append(proc)
     return found
 

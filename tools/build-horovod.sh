@@ -5,9 +5,11 @@
 #
 # Horovod 0.28.1 ships as an sdist only, and as shipped it does not compile against torch >= 2.1:
 # its CMake asks for C++14 and torch's headers need C++17. This script compiles it with C++17,
-# the PyTorch extension and the Gloo controller, and without MPI, TensorFlow or MXNet.
+# the PyTorch extension and both controllers, Gloo and MPI (Open MPI from the system's packages:
+# on Debian/Ubuntu it installs `openmpi-bin libopenmpi-dev`; elsewhere install an MPI whose
+# compiler wrapper `mpicxx` is on the PATH, or build without MPI), and without TensorFlow or MXNet.
 #
-# The wheel is built once per (Horovod version, torch version, Python tag, platform) into a cache
+# The wheel is built once per (Horovod version, torch version, Python tag, platform, MPI) into a cache
 # and reused: a second venv with the same torch and Python installs it in seconds. Rerunning
 # against a venv that already has it does nothing (a stamp file in the venv).
 #
@@ -18,6 +20,9 @@
 #                          checkout on the machine, so a fresh clone does not rebuild)
 #   SPARKDL_BUILD_JOBS     parallel compile jobs (default: the number of CPUs)
 #   HOROVOD_GPU_OPERATIONS passed to Horovod's build (e.g. NCCL, for a CUDA torch); part of the cache key
+#   SPARKDL_HOROVOD_MPI    1 (default): build the MPI controller too; 0: Gloo only (no MPI needed). The
+#                          MPI implementation and version are part of the cache key: the wheel links
+#                          against that libmpi, which every executor then needs too
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,8 +34,9 @@ CONSTRAINTS="$ROOT/constraints/$STACK.txt"
 CACHE="${SPARKDL_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sparkdl/wheels}"
 JOBS="${SPARKDL_BUILD_JOBS:-$(nproc)}"
 GPU_OPS="${HOROVOD_GPU_OPERATIONS:-}"
+WITH_MPI="${SPARKDL_HOROVOD_MPI:-1}"
 # Bump when the build flags below change, so that wheels built the old way are not reused.
-RECIPE=1
+RECIPE=2
 # A second build of the same key waits for the first one at most this long (a cold build took
 # 4.4 minutes on 2 busy cores).
 LOCK_WAIT_S="${SPARKDL_BUILD_LOCK_WAIT_S:-1800}"
@@ -62,17 +68,7 @@ print(torch_version, f"cp{sys.version_info[0]}{sys.version_info[1]}",
 EOF
 )
 [ "$TORCH_VERSION" != "none" ] || die "torch is not installed in $VENV; Horovod is built against it, so install torch first"
-
-KEY="horovod-$HVD_VERSION-torch-$TORCH_VERSION-$PY_TAG-$PLATFORM-r$RECIPE"
-[ -z "$GPU_OPS" ] || KEY="$KEY-gpu-$(echo "$GPU_OPS" | tr 'A-Z' 'a-z')"
-WHEEL_DIR="$CACHE/$KEY"
-STAMP="$VENV/.sparkdl-horovod-stamp"
-
-# The stamp alone would miss a `pip uninstall horovod`; the dist-info is as cheap to look at.
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] \
-  && compgen -G "$VENV/lib/python*/site-packages/horovod-$HVD_VERSION.dist-info" >/dev/null; then
-  exit 0
-fi
+case "$WITH_MPI" in 0|1) ;; *) die "SPARKDL_HOROVOD_MPI=$WITH_MPI: choose 1 (Gloo and MPI) or 0 (Gloo only)" ;; esac
 
 apt_install() {
   local sudo=""
@@ -84,6 +80,39 @@ apt_install() {
   $sudo apt-get update -q >&2
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$@" >&2
 }
+
+# "openmpi-4.1.4" or "mpich-4.0.2": which MPI the compiler wrapper on the PATH builds against.
+mpi_flavour() {
+  local v
+  if v="$(mpirun --version 2>/dev/null | sed -n 's/^mpirun (Open MPI) \([0-9.]*\).*/\1/p' | head -n1)" && [ -n "$v" ]; then
+    echo "openmpi-$v"
+  elif v="$(mpichversion 2>/dev/null | sed -n 's/^MPICH Version:[[:space:]]*\([0-9.]*\).*/\1/p')" && [ -n "$v" ]; then
+    echo "mpich-$v"
+  fi
+}
+
+MPI=""
+if [ "$WITH_MPI" = "1" ]; then
+  if ! command -v mpicxx >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1; then
+    command -v apt-get >/dev/null 2>&1 \
+      || die "no MPI here (mpicxx and mpirun not on the PATH): install Open MPI (or MPICH) with its development files, or set SPARKDL_HOROVOD_MPI=0 for Gloo only"
+    apt_install openmpi-bin libopenmpi-dev
+  fi
+  MPI="$(mpi_flavour)"
+  [ -n "$MPI" ] || die "mpirun on the PATH is neither Open MPI nor MPICH; put one first on the PATH, or set SPARKDL_HOROVOD_MPI=0"
+fi
+
+KEY="horovod-$HVD_VERSION-torch-$TORCH_VERSION-$PY_TAG-$PLATFORM-r$RECIPE"
+[ -z "$GPU_OPS" ] || KEY="$KEY-gpu-$(echo "$GPU_OPS" | tr 'A-Z' 'a-z')"
+KEY="$KEY-${MPI:-nompi}"
+WHEEL_DIR="$CACHE/$KEY"
+STAMP="$VENV/.sparkdl-horovod-stamp"
+
+# The stamp alone would miss a `pip uninstall horovod`; the dist-info is as cheap to look at.
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$KEY" ] \
+  && compgen -G "$VENV/lib/python*/site-packages/horovod-$HVD_VERSION.dist-info" >/dev/null; then
+  exit 0
+fi
 
 cmake_ok() {
   # Horovod's setup.py otherwise downloads a CMake 3.13 with pip behind our back.
@@ -142,13 +171,15 @@ exec "$real_cxx" "\$@"
 EOF
   chmod +x "$work/cxx"
 
-  log "building Horovod $HVD_VERSION against torch $TORCH_VERSION ($PY_TAG, $JOBS jobs); this takes minutes"
+  local mpi_flags=(HOROVOD_WITHOUT_MPI=1)
+  [ -z "$MPI" ] || mpi_flags=(HOROVOD_WITH_MPI=1)
+  log "building Horovod $HVD_VERSION against torch $TORCH_VERSION ($PY_TAG, ${MPI:-no MPI}, $JOBS jobs); this takes minutes"
   local start=$SECONDS
   # MAKEFLAGS also stops Horovod's setup.py from forcing -j8 on a small machine.
   # HOROVOD_GPU_OPERATIONS, when set, reaches the build from the environment.
   env CXX="$work/cxx" MAKEFLAGS="-j$JOBS" \
-    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 \
-    HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 "${mpi_flags[@]}" \
+    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
     "$PY" -m pip wheel -q --no-build-isolation --no-deps --no-binary horovod \
       --no-cache-dir -w "$work/out" "horovod==$HVD_VERSION" >&2 \
     || die "the Horovod build failed (see the compiler output above)"
@@ -193,11 +224,15 @@ grep -v '^torch==' "$CONSTRAINTS" > "$cfile"
 "$PY" -m pip install -q -c "$cfile" "$WHEEL" >&2
 rm -f "$cfile"
 
-"$PY" - <<'EOF' || die "Horovod installed in $VENV but does not work with torch and Gloo (see above)"
+SPARKDL_EXPECT_MPI="${MPI:+1}" "$PY" - <<'EOF' || die "Horovod installed in $VENV but does not work with torch, Gloo and MPI (see above)"
+import os
+
 import horovod.torch as hvd
 
 if not hvd.gloo_built():
     raise SystemExit("horovod.torch was built without Gloo")
+if os.environ.get("SPARKDL_EXPECT_MPI") and not hvd.mpi_built():
+    raise SystemExit("horovod.torch was built without MPI")
 EOF
 echo "$KEY" > "$STAMP"
 log "Horovod $HVD_VERSION installed in $VENV"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError
 from sparkdl.rankspec import GangSpec, RankSpec
 
@@ -30,6 +31,20 @@ class Backend(Protocol):
 
 
 BACKENDS = ("torch", "horovod")
+
+
+def check_driver(name: str, config: RunConfig) -> None:
+    """Fails before any task starts when backend ``name`` with ``config`` cannot run here."""
+    get_backend(name).check_driver()
+    if config.horovod_controller != "gloo":
+        if name != "horovod":
+            raise ConfigError(
+                f"RunConfig.horovod_controller={config.horovod_controller!r} applies to backend='horovod' "
+                f"only, not to backend={name!r}; leave it at 'gloo' or choose backend='horovod'"
+            )
+        from sparkdl.backends.horovod_mpi import check_mpi
+
+        check_mpi()
 
 
 def get_backend(name: str) -> Backend:

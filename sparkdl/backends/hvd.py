@@ -1,4 +1,4 @@
-"""Horovod with its Gloo controller, set up in the rank the way ``horovodrun --gloo`` would."""
+"""Horovod, set up in the rank the way ``horovodrun`` would: with Gloo, or in an MPI job."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from sparkdl.backends.horovod_gloo import check_horovod, horovod_env, start_rendezvous_server
+from sparkdl.backends.horovod_mpi import mpi_env
 from sparkdl.rankspec import GangSpec, RankSpec, read_fd
 
 
@@ -17,6 +18,9 @@ class HorovodBackend:
     lives only as long as the rank). Every rank gets the ``HOROVOD_*`` environment, so user
     code calls ``hvd.init()``, ``hvd.DistributedOptimizer`` and ``hvd.broadcast_parameters``
     unchanged.
+
+    With ``RunConfig(horovod_controller="mpi")`` the rank's environment already places it in the
+    gang's MPI job (:mod:`sparkdl.task.mpi`); the backend only tells Horovod to use MPI.
     """
 
     name = "horovod"
@@ -30,6 +34,12 @@ class HorovodBackend:
     def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
         import socket
 
+        if spec.horovod_controller == "mpi":
+            store_fd = read_fd("store")
+            if store_fd is not None:
+                os.close(store_fd)  # no rendezvous server: MPI's own runtime is the rendezvous
+            os.environ.update(mpi_env(spec.rank, spec.collective_timeout_s))
+            return
         hosts = list(gang.hosts)
         isolated = bool(spec.gpu_ids)
         port = gang.master_port

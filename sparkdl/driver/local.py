@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkdl._validate import int_at_least
-from sparkdl.backends import get_backend
+from sparkdl.backends import check_driver
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
 from sparkdl.driver.launcher import Job, Launcher, pickle_payload
@@ -179,7 +179,7 @@ def run_on_driver(
             f"{num_processes} processes need {num_processes} GPUs on the driver, but "
             f"spark.driver.resource.gpu lists {len(gpu_ids)} ({gpu_ids}); lower the number of processes"
         )
-    get_backend(backend).check_driver()
+    check_driver(backend, cfg)
     fn_bytes = pickle_payload(fn, args, kwargs)
     run_id = secrets.token_hex(6)
     run = RunSpec(

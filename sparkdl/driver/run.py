@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkdl import spark_api
 from sparkdl._validate import int_at_least
-from sparkdl.backends import BACKENDS, get_backend
+from sparkdl.backends import BACKENDS, check_driver
 from sparkdl.config import RunConfig
 from sparkdl.driver import cluster
 from sparkdl.driver.launcher import Job, pickle_payload
@@ -162,7 +162,7 @@ def launch(
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is unknown; choose one of {', '.join(map(repr, BACKENDS))}")
     fn_bytes = pickle_payload(fn, args, kwargs)
-    get_backend(backend).check_driver()
+    check_driver(backend, cfg)
 
     session = resolve_session(spark, num_workers)
     api = spark_api.of(session)

@@ -25,6 +25,7 @@ from typing import Any
 from sparkdl import proctree
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
 from sparkdl.reach import Marker
+from sparkdl.task.mpi import Endpoint, Mpirun, join_job
 from sparkdl.task.net import host_of
 from sparkdl.task.rankproc import STACK_DUMP_S, RankProcess
 from sparkdl.task.spawn import Zygote, read_error
@@ -162,6 +163,10 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
     orders: threading.Thread | None = None
     hub: Any = None
     relayed = False
+    # Horovod's MPI controller: this rank's part of the gang's MPI job (sparkdl.task.mpi).
+    mpi: Endpoint | None = None
+    mpirun: Mpirun | None = None
+    code: int | None = None
     # A rank started as a fresh interpreter is this worker's child: what it orphans comes here.
     adopting = proctree.set_subreaper()
     try:
@@ -178,6 +183,8 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             start_timeout_s=run.config.connect_timeout_s, tail_lines=run.config.log_tail_lines,
             fallback_out=sys.stdout, fallback_err=sys.stderr,
         )
+        if run.backend == "horovod" and run.config.horovod_controller == "mpi":
+            mpi = Endpoint(host, secret, rank, handshake_timeout_s=run.config.handshake_timeout_s)
         tid = ctx.taskAttemptId()
         unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
         hello = Hello(host, os.getpid(), tid, unshared)
@@ -187,7 +194,8 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             if unshared is not None:
                 raise RankFailed(not_shared)
         port = listener.getsockname()[1] if listener else None
-        me = {"host": host, "port": port, "tid": tid, "direct": conn is not None, "hub": hub.port if hub else None}
+        me = {"host": host, "port": port, "tid": tid, "direct": conn is not None, "hub": hub.port if hub else None,
+              "mpi": mpi.port if mpi else None}
         members = [json.loads(m) for m in ctx.allGather(json.dumps(me))]
         relayed = not all(m["direct"] for m in members)
         if relayed:
@@ -211,14 +219,19 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             if not reply.go or reply.attempt is None:
                 raise RankFailed(f"sparkdl driver stopped rank {rank}: {reply.reason}")
             attempt = link.attempt = reply.attempt
+            job_env = None
+            if mpi is not None:
+                job_env, mpirun = _join_mpi(mpi, members, spec, workdir, secret, link, run.config.connect_timeout_s)
             proc.tell_gang(GangSpec.form(spec, attempt=attempt, hosts=[m["host"] for m in members],
-                                         master_port=members[0]["port"]))
+                                         master_port=members[0]["port"]), job_env)
             if listener is not None:
                 # Only the rank 0 process holds the store's socket from here on.
                 listener.close()
                 listener = None
             told = _Orders()
             orders = _answer_driver(conn, link, proc, run.config.connect_timeout_s, told)
+            if mpi is not None:
+                mpi.watch(lambda why: proc.kill() if proc is not None else None)
             link.send(Started(proc.pid))
             code = proc.wait()
             if told.stop is not None:
@@ -230,6 +243,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             elif code != 0:
                 ended = time.time()
                 error, tb, failed_at = read_error(workdir)
+                error = error or (mpi.lost if mpi is not None else None)
                 exit_signal = -code if code < 0 else None
                 link.send(Exited(None if exit_signal else code, exit_signal, error, tb, failed_at or ended))
                 how = f"was killed by signal {exit_signal}" if exit_signal else f"exited with code {code}"
@@ -253,6 +267,16 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         elif rank == 0:
             yield from _result_batches(pa, workdir / "result.pkl")
     finally:
+        if mpi is not None:
+            # After the rank's Exited went out: the job may end the other ranks from here on.
+            mpi.ended(code if code is not None else -9)
+            if code == 0:
+                # The job ends once every rank's process has; ending this part first would end the
+                # job under ranks still running. A peer is waited for as long as in a collective.
+                (mpirun.wait if mpirun is not None else mpi.wait_daemon)(run.config.collective_timeout_s)
+            if mpirun is not None:
+                mpirun.close()
+            mpi.close()
         if proc is not None:
             proc.close()
         if adopting:
@@ -316,6 +340,18 @@ def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, 
     thread = threading.Thread(target=serve, name="sparkdl-driver-requests", daemon=True)
     thread.start()
     return thread
+
+
+def _join_mpi(mpi: Endpoint, members: list[dict[str, Any]], spec: RankSpec, workdir: Path, secret: bytes,
+              link: DriverLink, timeout_s: float) -> tuple[dict[str, str], Mpirun | None]:
+    """This rank's place in the gang's MPI job (rank 0 starts mpirun); a rank that cannot join
+    reports why (with what mpirun said) as its failure."""
+    nodes = [(m["host"], m["mpi"]) for m in members]
+    try:
+        return join_job(mpi, spec.rank, nodes, workdir, secret, spec.host, timeout_s, lambda line: link.line("e", line))
+    except RuntimeError as exc:
+        link.send(Exited(1, None, str(exc), None, time.time()))
+        raise RankFailed(f"sparkdl rank {spec.rank} on {spec.host} did not join the MPI job: {exc}") from exc
 
 
 def _assigned_gpus(ctx: Any, run: RunSpec, rank: int) -> list[str]:

@@ -190,13 +190,14 @@ class RankProcess:
             _Relay(os.fdopen(metrics_r, "rb"), "m", sink, self.ready, self.tail, None),
         ]
 
-    def tell_gang(self, gang: GangSpec) -> None:
-        """Sends the gang to the rank, which has waited for it since it started."""
+    def tell_gang(self, gang: GangSpec, job_env: dict[str, str] | None = None) -> None:
+        """Sends the gang to the rank, which has waited for it since it started; ``job_env``:
+        variables only known once the gang formed (an MPI job's, :mod:`sparkdl.task.mpi`)."""
         fd, self._control_w = self._control_w, None
         if fd is None:
             raise RuntimeError("the gang was already sent to this rank")
         with os.fdopen(fd, "w") as control:
-            control.write(json.dumps(gang_env(self.spec, gang)))
+            control.write(json.dumps({**(job_env or {}), **gang_env(self.spec, gang)}))
         self.ready.set()
 
     def wait(self, timeout: float | None = None) -> int:

@@ -1,0 +1,179 @@
+"""Horovod's MPI controller: ``RunConfig(horovod_controller="mpi")`` makes each gang one Open MPI
+job whose every process a Spark task started, with the guarantees of the Gloo controller.
+
+Each case runs on ``local[2]`` and on ``local-cluster[2,1,1024]`` (the ranks in two executors).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+import psutil
+import pytest
+
+import sparkdl
+
+hvd = pytest.importorskip("horovod.torch")
+if not hvd.mpi_built():
+    pytest.skip("Horovod was built without MPI (tools/build-horovod.sh builds it with Open MPI)", allow_module_level=True)
+try:
+    from sparkdl.backends.horovod_mpi import open_mpi_version
+
+    open_mpi_version()
+except sparkdl.BackendUnavailableError as exc:
+    pytest.skip(f"no Open MPI 4 here: {exc}", allow_module_level=True)
+
+# The Gloo tests' training function (pickled by value, as its module asks), for the same model and data.
+from test_horovod import CFG, train_horovod  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.spark
+
+MPI = CFG.replace(horovod_controller="mpi")
+EPOCHS, BATCH, SAVE_EVERY = 2, 16, 3
+SECRET = bytes(range(100, 132))
+
+
+@pytest.fixture(params=["local[2]", pytest.param("local-cluster[2,1,1024]", marks=pytest.mark.cluster)])
+def session(request, spark_session):  # type: ignore[no-untyped-def]
+    conf = {"spark.executor.memory": "512m"} if request.param.startswith("local-cluster") else None
+    return spark_session(request.param, conf)
+
+
+def _mpi_processes() -> list[dict[str, Any]]:
+    """mpirun, its daemons and sparkdl's proxies on this machine, each with its parent's command."""
+    found = []
+    for proc in psutil.process_iter(["pid", "name", "cmdline", "ppid"]):
+        cmd = proc.info["cmdline"] or []
+        if proc.info["name"] in ("orted", "mpirun") or "sparkdl.task.mpi_proxy" in cmd:
+            try:
+                parent = psutil.Process(proc.info["ppid"])
+                parent_cmd, parent_name = parent.cmdline(), parent.name()
+            except psutil.NoSuchProcess:
+                parent_cmd, parent_name = [], ""
+            found.append({"name": proc.info["name"], "cmd": cmd, "parent": parent_name, "parent_cmd": parent_cmd})
+    return found
+
+
+def train_mpi() -> dict[str, Any]:
+    import horovod.torch as hvd
+    import torch
+
+    out = train_horovod()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+    out.update(mpi=hvd.mpi_enabled(), local=(hvd.local_rank(), hvd.local_size()), total=total.item(),
+               processes=_mpi_processes() if hvd.rank() == 0 else [], rank_pid=os.getpid())
+    return out
+
+
+def test_mpi_training_converges_like_gloo_with_every_process_started_by_a_task(session, no_leaks, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    import sparkdl.driver.spark as driver
+
+    monkeypatch.setattr(driver.secrets, "token_bytes", lambda n: SECRET[:n])
+    mpi = sparkdl.run(train_mpi, num_workers=2, backend="horovod", config=MPI)
+    monkeypatch.undo()
+    gloo = sparkdl.run(train_horovod, num_workers=2, backend="horovod", config=CFG)
+    assert mpi["mpi"] and mpi["env"]["HOROVOD_CONTROLLER"] == "mpi" and mpi["size"] == 2
+    assert mpi["total"] == 3.0 and mpi["replicas_equal"] and mpi["loss"] < 0.01
+    # Every rank is an MPI node of its own: local rank 0, as each task sees only its own GPUs.
+    assert mpi["local"] == (0, 1)
+    # The same averaged gradients as Gloo's, from the same initial weights: the same model.
+    assert torch.allclose(mpi["weights"], gloo["weights"], atol=1e-5), (mpi["weights"], gloo["weights"])
+    procs = mpi["processes"]
+    daemons = [p for p in procs if p["name"] == "orted"]
+    proxies = [p for p in procs if p["name"] != "mpirun" and p["cmd"][-2:] == ["sparkdl.task.mpi_proxy", "rank"]]
+    runs = [p for p in procs if p["name"] == "mpirun"]
+    assert len(runs) == 1 and len(daemons) == 2 and len(proxies) == 2, procs
+    # No ssh anywhere: each daemon's parent is a Spark task's Python worker, each proxy's a daemon.
+    assert all("ssh" not in " ".join(p["parent_cmd"]) for p in procs), procs
+    assert all(p["parent"].startswith("python") for p in daemons + runs), daemons + runs
+    assert all(p["parent"] == "orted" for p in proxies), proxies
+    assert not any(SECRET.hex() in " ".join(p["cmd"]) for p in procs), "the run's secret is on a command line"
+
+
+def _dataset(session: Any, path: str) -> sparkdl.Dataset:
+    import random
+
+    rng = random.Random(7)
+    rows = [(i, x, sum(x[:4]) - 0.5 * x[5] + rng.gauss(0, 0.05))
+            for i, x in ((i, [rng.uniform(-1, 1) for _ in range(8)]) for i in range(192))]
+    df = session.createDataFrame(rows, "id long, x array<float>, y double")
+    return sparkdl.write_dataset(df, path, num_files=2)
+
+
+def train_resumable(ds: sparkdl.Dataset, fault: dict[str, Any]) -> dict[str, Any]:
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    ctx = sparkdl.context()
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=0.01), named_parameters=net.named_parameters())
+    state = sparkdl.TrainState(net, opt, ds.loader(BATCH, seed=3, drop_last=True))
+    for batch in state.batches(epochs=EPOCHS, save_every=SAVE_EVERY):
+        if ctx.attempt == 0 and ctx.rank == fault.get("rank") and state.global_step == fault.get("step"):
+            if fault["how"] == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)  # "hang": the other rank waits in the next allreduce
+        loss = torch.nn.functional.mse_loss(net(batch["x"]).squeeze(1), batch["y"].float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"weights": {k: v.clone() for k, v in net.state_dict().items()}, "attempt": ctx.attempt,
+            "restored_from": state.restored_from, "steps": state.global_step}
+
+
+def test_a_sigkilled_mpi_rank_reruns_the_gang_and_resumes_bitwise_equal(session, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    ds = _dataset(session, str(tmp_path / "data"))
+    ref = sparkdl.run(train_resumable, ds, {}, num_workers=2, backend="horovod", config=MPI,
+                      checkpoint_dir=str(tmp_path / "ref"))
+    assert ref["attempt"] == 0 and ref["restored_from"] is None
+    fault = {"how": "sigkill", "rank": 1, "step": 7}
+    result = sparkdl.launch(train_resumable, ds, fault, num_workers=2, backend="horovod", max_attempts=2,
+                            config=MPI, checkpoint_dir=str(tmp_path / "ckpt"))
+    out = result.value
+    assert result.attempts == 2 and out["attempt"] == 1
+    assert out["restored_from"] is not None and out["steps"] == ref["steps"]
+    for key, value in ref["weights"].items():
+        assert torch.equal(out["weights"][key], value), f"{key} differs from the uninterrupted run"
+
+
+def test_the_report_names_the_killed_rank_not_the_peer_open_mpi_ended_after_it(spark, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    ds = _dataset(spark, str(tmp_path / "data"))
+    with pytest.raises(sparkdl.RunFailedError) as failed:
+        sparkdl.run(train_resumable, ds, {"how": "sigkill", "rank": 1, "step": 4}, num_workers=2,
+                    backend="horovod", max_attempts=1, config=MPI, checkpoint_dir=str(tmp_path / "ckpt"))
+    assert "rank 1" in failed.value.root_cause and "SIGKILL" in failed.value.root_cause, failed.value.root_cause
+    # Its peer, waiting in the MPI allreduce, was stopped by the policy with its stack taken first.
+    report = str(failed.value)
+    assert "rank 0 on 127.0.0.1" in report and "stopped while running" in report, report
+    assert "in synchronize" in report, report
+
+
+def test_a_hanging_mpi_rank_is_stopped_by_timeout_s(session, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    ds = _dataset(session, str(tmp_path / "data"))
+    start = time.monotonic()
+    with pytest.raises(sparkdl.RunTimeoutError, match="timeout_s"):
+        sparkdl.run(train_resumable, ds, {"how": "hang", "rank": 1, "step": 4}, num_workers=2, backend="horovod",
+                    config=MPI.replace(timeout_s=10.0), checkpoint_dir=str(tmp_path / "ckpt"))
+    assert time.monotonic() - start < 90
+
+
+def test_the_mpi_controller_is_refused_with_another_backend_or_an_unknown_name() -> None:
+    with pytest.raises(sparkdl.ConfigError, match="horovod_controller"):
+        sparkdl.RunConfig(horovod_controller="nccl")
+    with pytest.raises(sparkdl.ConfigError, match="backend='horovod' only"):
+        sparkdl.run(len, num_workers=2, backend="torch", config=MPI)
