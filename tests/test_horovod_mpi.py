@@ -177,3 +177,41 @@ def test_the_mpi_controller_is_refused_with_another_backend_or_an_unknown_name()
         sparkdl.RunConfig(horovod_controller="nccl")
     with pytest.raises(sparkdl.ConfigError, match="backend='horovod' only"):
         sparkdl.run(len, num_workers=2, backend="torch", config=MPI)
+
+
+def hvd_documented(lr: float, kill_rank: int | None = None) -> dict[str, Any]:
+    # As Databricks' HorovodRunner documentation writes it; kill_rank dies in its first allreduce.
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    torch.manual_seed(1234)
+    model = torch.nn.Linear(3, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr * hvd.size()),
+                                         named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if hvd.rank() == kill_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.ones(4, 3) * (hvd.rank() + 1)
+    for _ in range(5):
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    return {"mpi": hvd.mpi_enabled(), "size": hvd.size(), "weight": model.weight.detach().flatten().tolist()}
+
+
+def test_horovod_runner_takes_the_mpi_controller_on_the_cluster_and_on_the_driver(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    cluster = sparkdl.HorovodRunner(np=2, config=MPI).run(hvd_documented, lr=0.05)
+    local = sparkdl.HorovodRunner(np=-2, config=MPI).run(hvd_documented, lr=0.05)
+    gloo = sparkdl.HorovodRunner(np=-2).run(hvd_documented, lr=0.05)
+    assert cluster["mpi"] and local["mpi"] and not gloo["mpi"]
+    assert cluster["size"] == local["size"] == 2
+    assert local["weight"] == pytest.approx(cluster["weight"], abs=1e-6) == gloo["weight"]
+
+
+def test_a_killed_rank_on_the_driver_ends_the_mpi_job_with_the_report(no_leaks) -> None:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    with pytest.raises(sparkdl.RunFailedError) as failed:
+        sparkdl.HorovodRunner(np=-2, config=MPI).run(hvd_documented, lr=0.05, kill_rank=1)
+    assert "rank 1" in failed.value.root_cause and "SIGKILL" in failed.value.root_cause, str(failed.value)
+    assert time.monotonic() - start < 60

@@ -32,6 +32,7 @@ from sparkdl.driver.report import build_report
 from sparkdl.errors import ConfigError, RunFailedError, RunTimeoutError
 from sparkdl.private import user_dir
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
+from sparkdl.task.mpi import Endpoint, Mpirun, join_local
 from sparkdl.task.rankproc import RankProcess
 from sparkdl.task.spawn import read_error
 from sparkdl.wire.messages import Exited, Gang, Hello, LogLine, Metric, RankState, Stacks, Started
@@ -70,6 +71,10 @@ class LocalLauncher(Launcher):
         listener = socket.create_server((_HOST, 0), backlog=1024)
         hosts = [_HOST] * run.world_size
         procs: list[RankProcess] = []
+        gangs: list[GangSpec] = []
+        mpi: list[Endpoint] = []
+        mpirun: Mpirun | None = None
+        code = [-9]
         try:
             for rank in range(run.world_size):
                 workdir = root / f"rank-{rank}"
@@ -85,28 +90,58 @@ class LocalLauncher(Launcher):
                     start_timeout_s=cfg.connect_timeout_s, tail_lines=cfg.log_tail_lines,
                 )
                 procs.append(proc)
-                proc.tell_gang(GangSpec.form(spec, attempt=0, hosts=hosts, master_port=listener.getsockname()[1]))
-                monitor.rank_event(0, rank, Started(proc.pid))
-                monitor.stack_source(0, rank, functools.partial(_ask_stacks, proc, monitor))
+                gangs.append(GangSpec.form(spec, attempt=0, hosts=hosts, master_port=listener.getsockname()[1]))
+            job_envs: list[dict[str, str] | None] = [None] * run.world_size
+            if run.backend == "horovod" and cfg.horovod_controller == "mpi":
+                # One Open MPI job of the local ranks (sparkdl.task.mpi), formed before they are told the gang.
+                secret = secrets.token_bytes(32)
+                mpi = [Endpoint(_HOST, secret, r, handshake_timeout_s=cfg.handshake_timeout_s) for r in range(run.world_size)]
+                envs, mpirun = join_local(mpi, _HOST, root, secret, cfg.connect_timeout_s,
+                                          lambda line: monitor.log(0, 0, LogLine("e", line)))
+                job_envs = list(envs)
+            for proc, gang, job_env in zip(procs, gangs, job_envs, strict=True):
+                proc.tell_gang(gang, job_env)
+                monitor.rank_event(0, proc.spec.rank, Started(proc.pid))
+                monitor.stack_source(0, proc.spec.rank, functools.partial(_ask_stacks, proc, monitor))
+                if mpi:
+                    mpi[proc.spec.rank].watch(functools.partial(_end, proc))
             listener.close()
-            return _wait(procs, monitor, cfg, root)
+            value = _wait(procs, monitor, cfg, root, mpi)
+            code[0] = 0
+            return value
         finally:
+            for endpoint in mpi:
+                endpoint.ended(code[0])
+            if mpirun is not None:
+                if code[0] == 0:
+                    mpirun.wait(cfg.collective_timeout_s)  # every rank's MPI part has ended by then
+                mpirun.close()
+            for endpoint in mpi:
+                endpoint.close()
             for proc in procs:
                 proc.close()
             listener.close()
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _watch(proc: RankProcess, monitor: Monitor) -> None:
+def _end(proc: RankProcess, why: str) -> None:
+    proc.kill()  # Open MPI ended the job under this rank: its Endpoint says why
+
+
+def _watch(proc: RankProcess, monitor: Monitor, mpi: Endpoint | None) -> None:
     code = proc.wait()
     if code != 0 and monitor.stopping is not None:
         return  # stopped by the driver after another rank failed: it stays "stopped while running"
     ended = time.time()
     error, tb, at = read_error(proc.workdir) if code != 0 else (None, None, None)
+    if mpi is not None:
+        error = error or mpi.lost
     exit_signal = -code if code < 0 else None
     # Reported at exit, not when the loop notices: the root cause is the first rank to exit.
     monitor.rank_event(0, proc.spec.rank, Exited(None if exit_signal else code, exit_signal, error, tb,
                                                  (at or ended) if code != 0 else None))
+    if mpi is not None and code != 0:
+        mpi.ended(code)  # once its failure is recorded: Open MPI then ends the job
 
 
 def _ask_stacks(proc: RankProcess, monitor: Monitor) -> bool:
@@ -119,8 +154,9 @@ def _ask_stacks(proc: RankProcess, monitor: Monitor) -> bool:
     return True
 
 
-def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path) -> bytes:
-    watchers = [threading.Thread(target=_watch, args=(p, monitor), daemon=True) for p in procs]
+def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path, mpi: list[Endpoint]) -> bytes:
+    watchers = [threading.Thread(target=_watch, args=(p, monitor, mpi[i] if mpi else None), daemon=True)
+                for i, p in enumerate(procs)]
     for t in watchers:
         t.start()
     started = time.monotonic()

@@ -316,3 +316,14 @@ def join_job(endpoint: Endpoint, rank: int, nodes: Sequence[tuple[str, int]], wo
         if mpirun is not None:
             mpirun.close()
         raise
+
+
+def join_local(endpoints: Sequence[Endpoint], host: str, workdir: Path, secret: bytes, timeout_s: float,
+               log: Callable[[str], object]) -> tuple[list[dict[str, str]], Mpirun]:
+    """Ranks that one process owns (on the driver): one mpirun, every endpoint joined in turn."""
+    mpirun = Mpirun(workdir, [(host, e.port) for e in endpoints], secret, host, timeout_s=timeout_s, log=log)
+    try:
+        return [e.join(timeout_s, mpirun.ended) for e in endpoints], mpirun
+    except BaseException:
+        mpirun.close()
+        raise
