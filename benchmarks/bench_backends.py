@@ -1,7 +1,9 @@
-"""Step time per rank, DDP (backend="torch") against Horovod (backend="horovod"), on 2 ranks.
+"""Step time per rank of three backends on 2 ranks: DDP (backend="torch"), Horovod with its Gloo
+controller, and Horovod with its MPI controller (``RunConfig(horovod_controller="mpi")``, when
+Horovod was built with MPI and Open MPI 4 is here).
 
 The same MLP, data, batch size and optimizer; each rank times its own training steps after a
-warm-up, and rank 0 reports the median over ranks. Prints both and their ratio.
+warm-up, and rank 0 reports the median over ranks. Prints each and its ratio to DDP's.
 
     .venv/bin/python benchmarks/bench_backends.py [--steps 200] [--hidden 1024]
 """
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="hidden width of the MLP (default 1024)")
     args = parser.parse_args()
     import sparkdl
+    import sparkdl.backends
     from sparkdl.session import create_session
 
     spark = create_session("local[2]", {"spark.ui.enabled": "false"}, "sparkdl-bench", "local[2]")
@@ -89,10 +92,21 @@ def main() -> None:
     quiet = sparkdl.RunConfig(echo_logs=False)
     t_ddp = sparkdl.run(ddp, args.steps, args.hidden, num_workers=2, config=quiet)
     t_hvd = sparkdl.run(horovod, args.steps, args.hidden, num_workers=2, backend="horovod", config=quiet)
+    mpi = quiet.replace(horovod_controller="mpi")
+    try:
+        sparkdl.backends.check_driver("horovod", mpi)
+        t_mpi: float | None = sparkdl.run(horovod, args.steps, args.hidden, num_workers=2, backend="horovod",
+                                          config=mpi)
+    except sparkdl.BackendUnavailableError as exc:
+        t_mpi, why = None, str(exc)
     print(f"model: MLP 256-{args.hidden}-10, batch 128 per rank, {args.steps} steps, 2 ranks on local[2]")
     print(f"DDP (gloo)      median step time per rank {t_ddp * 1000:.2f} ms")
-    print(f"Horovod (gloo)  median step time per rank {t_hvd * 1000:.2f} ms")
-    print(f"ratio Horovod / DDP  {t_hvd / t_ddp:.3f}")
+    print(f"Horovod (gloo)  median step time per rank {t_hvd * 1000:.2f} ms  ratio to DDP {t_hvd / t_ddp:.3f}")
+    if t_mpi is None:
+        print(f"Horovod (mpi)   not measured: {why}")
+    else:
+        print(f"Horovod (mpi)   median step time per rank {t_mpi * 1000:.2f} ms  ratio to DDP {t_mpi / t_ddp:.3f}, "
+              f"to Horovod (gloo) {t_mpi / t_hvd:.3f}")
     spark.stop()
 
 

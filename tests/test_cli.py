@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -115,6 +116,7 @@ SCRIPT = '''\
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -284,3 +286,109 @@ def test_the_channel_row_says_which_hosts_do_not_reach_the_client(mode: str | No
     else:
         assert row.executors == "not reached from 10.0.0.2" and "TimeoutError" in row.problem
         assert "spark.sparkdl.channelHost" in row.fix and "run the client nearer the cluster" in row.fix
+
+
+# ---- Horovod's MPI controller (RunConfig(horovod_controller='mpi')): optional, so info at most ----
+
+
+def _row(stdout: str, name: str) -> str:
+    """The table row of check ``name`` (names are one or two words)."""
+    return next((line for line in stdout.splitlines() if line.startswith(name + " ")), "")
+
+
+def _path_without(tmp_path: Path, *names: str) -> str:
+    """$PATH with each directory that holds one of ``names`` replaced by links to all else it holds."""
+    dirs = []
+    for i, entry in enumerate(os.environ["PATH"].split(os.pathsep)):
+        d = Path(entry)
+        if not any((d / n).exists() for n in names):
+            dirs.append(entry)
+            continue
+        copy = tmp_path / f"path{i}"
+        copy.mkdir()
+        for f in d.iterdir():
+            if f.name not in names:
+                (copy / f.name).symlink_to(f)
+        dirs.append(str(copy))
+    return os.pathsep.join(dirs)
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(240)
+def test_doctor_reports_the_mpi_controller_on_the_driver_and_the_executors() -> None:
+    from sparkdl.backends.horovod_mpi import check_mpi
+    from sparkdl.errors import BackendUnavailableError
+
+    try:
+        expected = check_mpi()  # "Horovod 0.28.1, Open MPI 4.1.4" here
+    except BackendUnavailableError as exc:
+        pytest.skip(f"Horovod's MPI controller cannot run here: {exc}")
+    assert "Open MPI 4." in expected
+    out = sparkdl("doctor", "--master", "local[2]", "--conf", "spark.ui.enabled=false", "--timeout", "120", timeout=220)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    row = _row(out.stdout, "mpi controller")
+    assert re.split(r"\s{2,}", row.strip())[1:] == [expected, f"{expected} on 1/1", "ok"], out.stdout  # local: 1 executor
+    assert "mpi controller:" not in out.stdout  # no problem said
+    # The row sits next to Horovod's own.
+    lines = out.stdout.splitlines()
+    assert lines.index(row) == lines.index(_row(out.stdout, "horovod")) + 1
+
+
+def test_doctor_says_why_the_mpi_controller_cannot_run_without_failing(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": _path_without(tmp_path, "mpirun", "orted")}
+    out = sparkdl("doctor", "--no-spark", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    row = _row(out.stdout, "mpi controller")
+    assert row.rstrip().endswith("info"), out.stdout
+    if not _row(out.stdout, "horovod").rstrip().endswith("ok"):
+        # Without a usable Horovod its own row says so; the MPI row adds no second problem.
+        assert "needs horovod" in row and "mpi controller:" not in out.stdout, out.stdout
+        return
+    assert "unavailable" in row
+    assert ("[info] mpi controller: optional: needed only for RunConfig(horovod_controller='mpi'); "
+            "on this machine: no mpirun or orted on the PATH") in out.stdout
+    assert "apt-get install openmpi-bin libopenmpi-dev" in out.stdout and "tools/build-horovod.sh" in out.stdout
+
+
+def test_the_executor_probe_says_why_the_mpi_controller_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from sparkdl.cli import probe
+
+    assert probe._mpi(None) is None  # no Horovod: nothing to check
+    if importlib.util.find_spec("horovod") is None:
+        pytest.skip("Horovod is not installed")
+    monkeypatch.setenv("PATH", _path_without(tmp_path, "mpirun", "orted"))
+    facts = probe._mpi("0.28.1")
+    assert facts is not None and set(facts) == {"no"}
+    if "needs Horovod built with PyTorch and Gloo" not in facts["no"]:  # else Horovod itself is unusable here
+        assert facts["no"].startswith("no mpirun or orted on the PATH. "), facts
+
+
+def test_the_mpi_row_names_the_executors_without_it_and_merges_the_drivers_reason() -> None:
+    from sparkdl.cli.probe import MPI_ROW, check_executor_mpi
+
+    no_mpi = {"no": "no mpirun or orted on the PATH. horovod_controller='mpi' needs Open MPI 4 (apt-get install openmpi-bin)"}
+    ok = {"ok": "Horovod 0.28.1, Open MPI 4.1.4"}
+    envs = [{"host": "a", "address": "10.0.0.1", "mpi": ok}, {"host": "b", "address": "10.0.0.2", "mpi": no_mpi},
+            {"host": "c", "address": "10.0.0.3", "mpi": None}]
+    report = cli.Report()
+    report.add(MPI_ROW, cli.OK, ok["ok"])
+    check_executor_mpi(report, envs)
+    (row,) = report.checks
+    assert row.executors == ("Horovod 0.28.1, Open MPI 4.1.4 on 1/3, needs horovod on 1/3, unavailable on 1/3")
+    assert row.status == cli.INFO
+    assert row.problem == ("optional: needed only for RunConfig(horovod_controller='mpi'); "
+                           "on the executors on 10.0.0.2: no mpirun or orted on the PATH")
+    assert row.fix == "horovod_controller='mpi' needs Open MPI 4 (apt-get install openmpi-bin)"
+    # The driver lacks it for the same reason: said once, for both.
+    report = cli.Report()
+    report.add(MPI_ROW, cli.INFO, "unavailable", problem="optional: x; on this machine: no mpirun or orted on the PATH", fix="f")
+    check_executor_mpi(report, envs[1:2])
+    assert report.checks[0].problem == "optional: x; on this machine and on the executors on 10.0.0.2: no mpirun or orted on the PATH"
+    assert (report.checks[0].executors, report.checks[0].fix) == ("unavailable on 1/1", "f")
+    # No Horovod anywhere: the horovod row says it all.
+    report = cli.Report()
+    report.add(MPI_ROW, cli.INFO, "needs horovod")
+    check_executor_mpi(report, [envs[2], {**envs[2], "host": "d", "address": "10.0.0.4"}])
+    assert (report.checks[0].executors, report.checks[0].problem) == ("needs horovod on 2/2", "")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -44,6 +46,19 @@ SECRET = bytes(range(100, 132))
 def session(request, spark_session):  # type: ignore[no-untyped-def]
     conf = {"spark.executor.memory": "512m"} if request.param.startswith("local-cluster") else None
     return spark_session(request.param, conf)
+
+
+@pytest.fixture(autouse=True)
+def no_session_files_left() -> Any:
+    """Open MPI's session files (PMIx's shared segments) stay in the tasks' workdirs, which go with
+    the tasks: nothing new under the machine's temp dir, however the job ended."""
+    def sessions() -> set[str]:
+        root = Path(tempfile.gettempdir())
+        return {str(p) for top in root.glob("ompi.*") for p in top.iterdir()}
+
+    before = sessions()
+    yield
+    assert sessions() <= before, sorted(sessions() - before)
 
 
 def _mpi_processes() -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sparkdl.cli.listen import Listener
-from sparkdl.cli.probe import probe_executors
+from sparkdl.cli.probe import check_executor_mpi, probe_executors
 from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
 from sparkdl.data.cache import CACHE_DIR_CONF, cache_dir
 from sparkdl.driver.cluster import RUN_DIR_CONF, executor_error, runs_root
@@ -108,6 +108,7 @@ def check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | N
     _check_shared(report, rows, dirs, "this host (local mode)" if local and not api.remote else
                   f"this {'client' if api.remote else 'driver'} and {len(rows)}/{len(rows)} probe tasks")
     _compare(report, driver, list(envs.values()))
+    check_executor_mpi(report, list(envs.values()))
     _check_executor_gpus(report, conf, list(envs.values()), driver_gpus)
 
 

@@ -1,8 +1,8 @@
 """``sparkdl doctor``: a pre-flight check of the driver, then of the cluster.
 
-The driver's checks (Java, the packages sparkdl needs, Horovod and Petastorm, GPUs) run here
-without Spark; :func:`doctor` then starts a session (``--remote``: a Spark Connect client's,
-which needs the Connect client's packages and no Java) and adds the cluster's rows
+The driver's checks (Java, the packages sparkdl needs, Horovod and its MPI controller, Petastorm,
+GPUs) run here without Spark; :func:`doctor` then starts a session (``--remote``: a Spark Connect
+client's, which needs the Connect client's packages and no Java) and adds the cluster's rows
 (:mod:`sparkdl.cli.cluster`), prints the table and exits 1 when any row is an error.
 """
 
@@ -26,6 +26,7 @@ from sparkdl.cli.options import (
     remote_url,
     spark_confs,
 )
+from sparkdl.cli.probe import MPI_HERE, MPI_OPTIONAL, MPI_ROW, mpi_problem
 from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
 from sparkdl.errors import ConfigError
 
@@ -129,6 +130,7 @@ def _check_connect_client(report: Report) -> None:
 
 def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
     hvd = versions["horovod"]
+    usable = False
     if hvd is None:
         report.add("horovod", INFO, "not installed", problem="optional: needed only for backend='horovod' and HorovodRunner",
                    fix="SPARKDL_WITH_HOROVOD=1 bash tools/bootstrap.sh builds it against this torch")
@@ -138,9 +140,11 @@ def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
 
             check_horovod()
             report.add("horovod", OK, hvd)
+            usable = True
         except Exception as exc:
             report.add("horovod", WARN, hvd, problem=f"installed but unusable: {exc}",
                        fix="rebuild Horovod with PyTorch and Gloo (tools/build-horovod.sh)")
+    _check_mpi(report, usable)
     peta = versions["petastorm"]
     if peta is None:
         report.add("petastorm", INFO, "not installed", problem="optional: needed only for ds.loader(reader='petastorm')",
@@ -153,6 +157,21 @@ def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         report.add("petastorm", WARN, peta, problem=f"installed but does not import ({last})",
                    fix="petastorm needs pyarrow < 15: use the classic stack (constraints/classic.txt)")
+
+
+def _check_mpi(report: Report, horovod_usable: bool) -> None:
+    """The row of Horovod's MPI controller: its versions, or why it cannot run here. Optional, so
+    never more than info; without a usable Horovod the horovod row has said all there is to say."""
+    if not horovod_usable:
+        report.add(MPI_ROW, INFO, "needs horovod")
+        return
+    try:
+        from sparkdl.backends.horovod_mpi import check_mpi
+
+        report.add(MPI_ROW, OK, check_mpi())
+    except Exception as exc:
+        why, fix = mpi_problem(str(exc) or type(exc).__name__)
+        report.add(MPI_ROW, INFO, "unavailable", problem=f"{MPI_OPTIONAL}; {MPI_HERE}: {why}", fix=fix)
 
 
 def _driver_gpus() -> tuple[list[str], str]:

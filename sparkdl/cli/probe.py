@@ -6,6 +6,10 @@ is not installed. On a classic session the job is an RDD job (it needs nothing b
 executors); a Spark Connect client has no RDDs, so there it is
 ``spark.range(n, numPartitions=n).mapInArrow(...)``, which needs pyarrow on the executors (a
 probe that fails for want of it says so).
+
+Each probe task also says whether Horovod's MPI controller (``RunConfig(horovod_controller='mpi')``)
+can run in its Python (sparkdl's own check, where sparkdl is installed there);
+:func:`check_executor_mpi` turns that into the executors' column of the doctor's MPI row.
 """
 
 from __future__ import annotations
@@ -18,8 +22,17 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from sparkdl.cli.report import INFO, OK, Report
+
 if TYPE_CHECKING:
     from sparkdl.spark_api import SparkApi
+
+# The doctor's row for Horovod's MPI controller, and why it is never more than info.
+MPI_ROW = "mpi controller"
+MPI_OPTIONAL = "optional: needed only for RunConfig(horovod_controller='mpi')"
+MPI_HERE = "on this machine"
+_MPI_FIX = ("install Open MPI 4 (apt-get install openmpi-bin libopenmpi-dev) and Horovod built with MPI "
+            "(tools/build-horovod.sh) on the driver and every executor")
 
 
 def _sees(url: str, path: str, token: str) -> str | None:
@@ -54,6 +67,20 @@ def _reaches(channel: tuple[str, int] | None) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _mpi(horovod: str | None) -> dict[str, str] | None:
+    """Whether Horovod's MPI controller can run in this Python: None without Horovod, else
+    ``{"ok": "Horovod <v>, Open MPI <v>"}`` or ``{"no": why}`` (sparkdl's check: it imports
+    horovod.torch and runs ``mpirun --version``)."""
+    if horovod is None:
+        return None
+    try:
+        from sparkdl.backends.horovod_mpi import check_mpi
+
+        return {"ok": check_mpi()}
+    except Exception as exc:
+        return {"no": str(exc) or type(exc).__name__}
+
+
 def _executor_probe(markers: dict[str, tuple[str, str, str]], channel: tuple[str, int] | None,
                     _: Any) -> Iterator[dict[str, Any]]:
     """Runs in an executor's Python worker: what sparkdl cares about there, whether it sees the
@@ -82,6 +109,7 @@ def _executor_probe(markers: dict[str, tuple[str, str, str]], channel: tuple[str
     }
     for name in ("pyspark", "torch", "pyarrow", "numpy", "pandas", "cloudpickle", "sparkdl", "horovod", "petastorm"):
         facts[name] = version(name)
+    facts["mpi"] = _mpi(facts["horovod"])
     try:
         import pyspark
 
@@ -168,3 +196,41 @@ def probe_executors(api: SparkApi, partitions: int, timeout_s: float, markers: d
     if "error" in box:
         raise box["error"]
     return list(box["rows"])
+
+
+def mpi_problem(message: str) -> tuple[str, str]:
+    """sparkdl's BackendUnavailableError message, ``"<why>. <what to install>"``, as (why, fix)."""
+    why, _, fix = message.partition(". ")
+    return why, fix or _MPI_FIX
+
+
+def check_executor_mpi(report: Report, envs: list[dict[str, Any]]) -> None:
+    """Fills the executors' column of the MPI row (one env per executor, as the probe found it).
+
+    Executors without Horovod are said to need it, and no more (the horovod row tells of Horovod);
+    those where the MPI controller cannot run make the row info, naming their hosts and why.
+    """
+    row = next((c for c in report.checks if c.name == MPI_ROW), None) or report.add(MPI_ROW, INFO)
+
+    def said(env: dict[str, Any]) -> str:
+        mpi = env.get("mpi")
+        return "needs horovod" if mpi is None else mpi.get("ok") or "unavailable"
+
+    seen = sorted({said(e) for e in envs})
+    row.executors = ", ".join(f"{v} on {sum(said(e) == v for e in envs)}/{len(envs)}" for v in seen)
+    hosts_by_why: dict[str, set[str]] = {}
+    fix = ""
+    for env in envs:
+        if (env.get("mpi") or {}).get("no"):
+            why, fix = mpi_problem(env["mpi"]["no"])
+            hosts_by_why.setdefault(why, set()).add(str(env.get("address") or env["host"]))
+    if not hosts_by_why:
+        return
+    if row.status == OK:
+        row.status = INFO
+    problem = row.problem or MPI_OPTIONAL
+    for why, hosts in hosts_by_why.items():
+        there = f"on the executors on {', '.join(sorted(hosts))}"
+        here = f"{MPI_HERE}: {why}"  # the driver's reason (preflight), said once for both
+        problem = problem.replace(here, f"{MPI_HERE} and {there}: {why}") if here in problem else f"{problem}; {there}: {why}"
+    row.problem, row.fix = problem, row.fix or fix

@@ -95,7 +95,8 @@ class LocalLauncher(Launcher):
             if run.backend == "horovod" and cfg.horovod_controller == "mpi":
                 # One Open MPI job of the local ranks (sparkdl.task.mpi), formed before they are told the gang.
                 secret = secrets.token_bytes(32)
-                mpi = [Endpoint(_HOST, secret, r, handshake_timeout_s=cfg.handshake_timeout_s) for r in range(run.world_size)]
+                mpi = [Endpoint(_HOST, secret, r, root / f"rank-{r}", handshake_timeout_s=cfg.handshake_timeout_s)
+                       for r in range(run.world_size)]
                 envs, mpirun = join_local(mpi, _HOST, root, secret, cfg.connect_timeout_s,
                                           lambda line: monitor.log(0, 0, LogLine("e", line)))
                 job_envs = list(envs)

@@ -184,7 +184,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             fallback_out=sys.stdout, fallback_err=sys.stderr,
         )
         if run.backend == "horovod" and run.config.horovod_controller == "mpi":
-            mpi = Endpoint(host, secret, rank, handshake_timeout_s=run.config.handshake_timeout_s)
+            mpi = Endpoint(host, secret, rank, workdir, handshake_timeout_s=run.config.handshake_timeout_s)
         tid = ctx.taskAttemptId()
         unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
         hello = Hello(host, os.getpid(), tid, unshared)

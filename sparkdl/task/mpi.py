@@ -71,8 +71,9 @@ class Endpoint:
     to the proxy; :meth:`close` ends the daemon and everything below it.
     """
 
-    def __init__(self, host: str, secret: bytes, rank: int, *, handshake_timeout_s: float) -> None:
+    def __init__(self, host: str, secret: bytes, rank: int, workdir: Path, *, handshake_timeout_s: float) -> None:
         self.rank = rank
+        self._workdir = workdir
         self._lock = threading.Lock()
         self._daemon: subprocess.Popen[bytes] | None = None
         self._proxy: socket.socket | None = None
@@ -103,7 +104,7 @@ class Endpoint:
             assert isinstance(argv, list)
             # Kept as this task's child, not daemonized: it ends with the task.
             argv = [a for a in argv if a != "--daemonize"]
-            env = {**os.environ, PROXY_ENV: self.address, **_iface_mca(self._iface)}
+            env = {**os.environ, PROXY_ENV: self.address, **_iface_mca(self._iface), **_session_dir(self._workdir)}
             self._daemon = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
             daemon = self._daemon
@@ -225,6 +226,14 @@ def _iface_mca(iface: str | None) -> dict[str, str]:
     return {"OMPI_MCA_oob_tcp_if_include": iface, "OMPI_MCA_btl_tcp_if_include": iface}
 
 
+def _session_dir(workdir: Path) -> dict[str, str]:
+    """Open MPI keeps its session files (PMIx's shared segments among them) under TMPDIR: in the
+    task's workdir, they go with it even when a daemon is killed before it could clean up."""
+    base = workdir / "ompi"
+    base.mkdir(mode=0o700, exist_ok=True)
+    return {"TMPDIR": str(base)}
+
+
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
@@ -263,7 +272,7 @@ class Mpirun:
             *(["--allow-run-as-root"] if os.geteuid() == 0 else []),
             sys.executable, "-u", "-m", "sparkdl.task.mpi_proxy", "rank",
         ]
-        env = {**os.environ, AGENT_ENV: str(config), **_iface_mca(iface_for(host))}
+        env = {**os.environ, AGENT_ENV: str(config), **_iface_mca(iface_for(host)), **_session_dir(workdir)}
         self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
         self._relay = threading.Thread(target=self._read, name="sparkdl-mpirun", daemon=True)
