@@ -309,3 +309,20 @@ def other_user() -> Iterator[OtherUser]:
     finally:
         user.end_all()
         subprocess.run(["userdel", name], capture_output=True, timeout=30)
+
+
+def path_without(tmp_path: Path, *names: str) -> str:
+    """$PATH with each directory that holds one of ``names`` replaced by links to all else it holds."""
+    dirs = []
+    for i, entry in enumerate(os.environ["PATH"].split(os.pathsep)):
+        d = Path(entry)
+        if not any((d / n).exists() for n in names):
+            dirs.append(entry)
+            continue
+        copy = tmp_path / f"path{i}"
+        copy.mkdir()
+        for f in d.iterdir():
+            if f.name not in names:
+                (copy / f.name).symlink_to(f)
+        dirs.append(str(copy))
+    return os.pathsep.join(dirs)

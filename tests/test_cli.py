@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import path_without
 
 import sparkdl.cli.run as cli_run
 from sparkdl import cli
@@ -296,23 +297,6 @@ def _row(stdout: str, name: str) -> str:
     return next((line for line in stdout.splitlines() if line.startswith(name + " ")), "")
 
 
-def _path_without(tmp_path: Path, *names: str) -> str:
-    """$PATH with each directory that holds one of ``names`` replaced by links to all else it holds."""
-    dirs = []
-    for i, entry in enumerate(os.environ["PATH"].split(os.pathsep)):
-        d = Path(entry)
-        if not any((d / n).exists() for n in names):
-            dirs.append(entry)
-            continue
-        copy = tmp_path / f"path{i}"
-        copy.mkdir()
-        for f in d.iterdir():
-            if f.name not in names:
-                (copy / f.name).symlink_to(f)
-        dirs.append(str(copy))
-    return os.pathsep.join(dirs)
-
-
 @pytest.mark.spark
 @pytest.mark.timeout(240)
 def test_doctor_reports_the_mpi_controller_on_the_driver_and_the_executors() -> None:
@@ -335,7 +319,7 @@ def test_doctor_reports_the_mpi_controller_on_the_driver_and_the_executors() -> 
 
 
 def test_doctor_says_why_the_mpi_controller_cannot_run_without_failing(tmp_path: Path) -> None:
-    env = {**os.environ, "PATH": _path_without(tmp_path, "mpirun", "orted")}
+    env = {**os.environ, "PATH": path_without(tmp_path, "mpirun", "orted")}
     out = sparkdl("doctor", "--no-spark", env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     row = _row(out.stdout, "mpi controller")
@@ -358,7 +342,7 @@ def test_the_executor_probe_says_why_the_mpi_controller_cannot_run(tmp_path: Pat
     assert probe._mpi(None) is None  # no Horovod: nothing to check
     if importlib.util.find_spec("horovod") is None:
         pytest.skip("Horovod is not installed")
-    monkeypatch.setenv("PATH", _path_without(tmp_path, "mpirun", "orted"))
+    monkeypatch.setenv("PATH", path_without(tmp_path, "mpirun", "orted"))
     facts = probe._mpi("0.28.1")
     assert facts is not None and set(facts) == {"no"}
     if "needs Horovod built with PyTorch and Gloo" not in facts["no"]:  # else Horovod itself is unusable here

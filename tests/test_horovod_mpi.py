@@ -31,6 +31,7 @@ except sparkdl.BackendUnavailableError as exc:
     pytest.skip(f"no Open MPI 4 here: {exc}", allow_module_level=True)
 
 # The Gloo tests' training function (pickled by value, as its module asks), for the same model and data.
+from conftest import path_without  # noqa: E402
 from test_horovod import CFG, train_horovod  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -230,3 +231,20 @@ def test_a_killed_rank_on_the_driver_ends_the_mpi_job_with_the_report(no_leaks) 
         sparkdl.HorovodRunner(np=-2, config=MPI).run(hvd_documented, lr=0.05, kill_rank=1)
     assert "rank 1" in failed.value.root_cause and "SIGKILL" in failed.value.root_cause, str(failed.value)
     assert time.monotonic() - start < 60
+
+
+@pytest.fixture
+def executors_without_mpi(spark_session, tmp_path):  # type: ignore[no-untyped-def]
+    """local-cluster whose executors' PATH lacks Open MPI (the driver has it)."""
+    return spark_session("local-cluster[2,1,1024]", {"spark.executor.memory": "512m",
+                                                     "spark.executorEnv.PATH": path_without(tmp_path, "mpirun", "orted")})
+
+
+@pytest.mark.cluster
+def test_executors_without_open_mpi_fail_the_run_saying_what_to_install(executors_without_mpi, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    with pytest.raises(sparkdl.RunFailedError) as failed:
+        sparkdl.run(hvd_documented, 0.05, num_workers=2, backend="horovod", max_attempts=1, config=MPI)
+    assert "rank 0" in failed.value.root_cause and "mpirun" in failed.value.root_cause, str(failed.value)
+    assert "install Open MPI 4" in str(failed.value)
+    assert time.monotonic() - start < 90

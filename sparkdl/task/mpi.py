@@ -79,6 +79,7 @@ class Endpoint:
         self._proxy: socket.socket | None = None
         self._closed = False
         self.lost: str | None = None  # why the job ended this rank, when it did
+        self.failed: str | None = None  # why this task could not start its daemon
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.address = f"sparkdl-mpi-{os.getpid()}-{rank}-{os.urandom(8).hex()}"
         self._unix.bind("\0" + self.address)  # abstract: nothing left on disk
@@ -105,8 +106,14 @@ class Endpoint:
             # Kept as this task's child, not daemonized: it ends with the task.
             argv = [a for a in argv if a != "--daemonize"]
             env = {**os.environ, PROXY_ENV: self.address, **_iface_mca(self._iface), **_session_dir(self._workdir)}
-            self._daemon = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                self._daemon = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            except OSError as exc:
+                self.failed = (f"cannot start Open MPI's daemon {argv[0]!r} in rank {self.rank}'s task: {exc}; "
+                               "install Open MPI 4 (openmpi-bin) on every executor")
+                conn.send({"out": f"sparkdl: {self.failed}", "exit": 127})
+                return
             daemon = self._daemon
         threading.Thread(target=_relay_daemon, args=(daemon, conn), name="sparkdl-mpi-daemon", daemon=True).start()
 
@@ -126,7 +133,7 @@ class Endpoint:
         deadline = time.monotonic() + timeout_s
         self._unix.settimeout(0.2)
         while True:
-            why = alive()
+            why = self.failed or alive()
             if why is not None:
                 raise RuntimeError(why)
             try:
@@ -273,8 +280,12 @@ class Mpirun:
             sys.executable, "-u", "-m", "sparkdl.task.mpi_proxy", "rank",
         ]
         env = {**os.environ, AGENT_ENV: str(config), **_iface_mca(iface_for(host)), **_session_dir(workdir)}
-        self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
+        try:
+            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
+        except OSError as exc:
+            raise RuntimeError(f"cannot start mpirun in rank 0's task: {exc}; install Open MPI 4 (openmpi-bin) "
+                               "on every executor") from exc
         self._relay = threading.Thread(target=self._read, name="sparkdl-mpirun", daemon=True)
         self._relay.start()
 
