@@ -8,13 +8,15 @@ TorchDistributor's tasks return without reading their input, so Spark retires th
 workers; each sparkdl run after one starts on new Python workers, and what keeps it warm is the
 executor's zygote (see the README's "Warm start"), which outlives them.
 
-    .venv/bin/python benchmarks/bench_launch.py [--runs 5] [--master local[2]] [--remote [URL]] [--relay]
+    .venv/bin/python benchmarks/bench_launch.py [--runs 5] [--master local[2]] [--remote [URL]] [--relay] [--horovod]
 
 ``--remote``: the same over Spark Connect, both launchers on a Connect client session; with no
 URL, a Connect server of ``--master`` is started on 127.0.0.1 for the run (tools/connect_server.py).
 Compare its medians with a classic run's on the same machine. ``--relay``: also times sparkdl
 with ``spark.sparkdl.channel=relay`` (the ranks report through Spark's result rows, as for a
 client the executors cannot reach), alternating with the default, and prints relay / default.
+``--horovod``: also times ``backend="horovod"`` (one ``hvd.allreduce``) with the Gloo controller
+and with the MPI controller (an Open MPI job formed by the tasks), and prints MPI / Gloo.
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ def allreduce_torchrun_style() -> float:
     return t.item()
 
 
+def allreduce_with_horovod() -> float:
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    return float(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())
+
+
 def _time(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     result = fn()
@@ -66,6 +76,7 @@ def main() -> None:
     parser.add_argument("--remote", nargs="?", const="start", metavar="URL",
                         help="over Spark Connect: sc://host:port, or none to start a server of --master")
     parser.add_argument("--relay", action="store_true", help="also time sparkdl with spark.sparkdl.channel=relay")
+    parser.add_argument("--horovod", action="store_true", help="also time backend='horovod' with Gloo and with MPI")
     args = parser.parse_args()
 
     from pyspark.ml.torch.distributor import TorchDistributor
@@ -103,6 +114,11 @@ def main() -> None:
     launchers = {"sparkdl": run_sparkdl, "TorchDistributor": run_td}
     if args.relay:
         launchers["sparkdl relayed"] = run_relayed
+    if args.horovod:
+        for controller in ("gloo", "mpi"):
+            cfg = quiet.replace(horovod_controller=controller)
+            launchers[f"horovod {controller}"] = (
+                lambda cfg=cfg: sparkdl.run(allreduce_with_horovod, num_workers=2, backend="horovod", config=cfg))
     print(f"warming up {', '.join(launchers)} ...", flush=True)
     for fn in launchers.values():
         _time(fn)
@@ -118,6 +134,8 @@ def main() -> None:
     print(f"ratio sparkdl / TorchDistributor     {med['sparkdl'] / med['TorchDistributor']:.3f}  (target <= 0.25)")
     if args.relay:
         print(f"ratio relayed / default channel      {med['sparkdl relayed'] / med['sparkdl']:.3f}")
+    if args.horovod:
+        print(f"ratio horovod mpi / horovod gloo     {med['horovod mpi'] / med['horovod gloo']:.3f}")
     spark.stop()
     if server is not None:
         server.cleanup()

@@ -74,7 +74,7 @@ class LocalLauncher(Launcher):
         gangs: list[GangSpec] = []
         mpi: list[Endpoint] = []
         mpirun: Mpirun | None = None
-        code = [-9]
+        finished = False
         try:
             for rank in range(run.world_size):
                 workdir = root / f"rank-{rank}"
@@ -108,13 +108,13 @@ class LocalLauncher(Launcher):
                     mpi[proc.spec.rank].watch(functools.partial(_end, proc))
             listener.close()
             value = _wait(procs, monitor, cfg, root, mpi)
-            code[0] = 0
+            finished = True
             return value
         finally:
             for endpoint in mpi:
-                endpoint.ended(code[0])
+                endpoint.ended(0 if finished else -9)
             if mpirun is not None:
-                if code[0] == 0:
+                if finished:
                     mpirun.wait(cfg.collective_timeout_s)  # every rank's MPI part has ended by then
                 mpirun.close()
             for endpoint in mpi:
