@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
 
 from sparkdl.errors import BackendUnavailableError
 
@@ -55,14 +54,13 @@ def check_mpi() -> str:
     return f"Horovod {version}, Open MPI {open_mpi_version()}"
 
 
-def mpi_env(rank: int, collective_timeout_s: float, env: Mapping[str, str] | None = None) -> dict[str, str]:
+def mpi_env(rank: int, collective_timeout_s: float) -> dict[str, str]:
     """The ``HOROVOD_*`` variables of a rank whose environment places it in the MPI job as ``rank``.
 
     A rank stalled in a collective for ``collective_timeout_s`` makes Horovod shut down (its
     stall check), as Gloo's timeout does with the Gloo controller.
     """
-    env = os.environ if env is None else env
-    placed = env.get("OMPI_COMM_WORLD_RANK")
+    placed = os.environ.get("OMPI_COMM_WORLD_RANK")
     if placed != str(rank):
         raise RuntimeError(f"rank {rank} is not placed in an MPI job (OMPI_COMM_WORLD_RANK={placed!r}); "
                            "horovod_controller='mpi' ranks are started by sparkdl's launchers only")

@@ -349,7 +349,7 @@ def _join_mpi(mpi: Endpoint, members: list[dict[str, Any]], spec: RankSpec, work
     nodes = [(m["host"], m["mpi"]) for m in members]
     try:
         return join_job(mpi, spec.rank, nodes, workdir, secret, spec.host, timeout_s, lambda line: link.line("e", line))
-    except RuntimeError as exc:
+    except (RuntimeError, TimeoutError) as exc:
         link.send(Exited(1, None, str(exc), None, time.time()))
         raise RankFailed(f"sparkdl rank {spec.rank} on {spec.host} did not join the MPI job: {exc}") from exc
 

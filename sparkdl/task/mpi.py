@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from pathlib import Path
 
 from sparkdl import proctree
 from sparkdl.task.net import iface_for
-from sparkdl.task.spawn import peer_credentials
+from sparkdl.task.spawn import kill_group, peer_credentials
 from sparkdl.wire.channel import ChannelServer, FramedConnection, Message
 
 # The proxy's environment names its Unix socket here; rank 0's agents find their config here.
@@ -122,7 +121,7 @@ class Endpoint:
         with self._lock:
             daemon = self._daemon
         if daemon is not None and daemon.poll() is None:
-            _kill_group(daemon.pid)
+            kill_group(daemon.pid)
 
     def join(self, timeout_s: float, alive: Callable[[], str | None] = lambda: None) -> dict[str, str]:
         """The variables that make the rank this rank of the MPI job, once its proxy checked in.
@@ -208,7 +207,7 @@ class Endpoint:
         if proxy is not None:
             proxy.close()
         if daemon is not None:
-            _kill_group(daemon.pid)
+            kill_group(daemon.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 daemon.wait(_STOP_S)
         self._server.close()
@@ -239,11 +238,6 @@ def _session_dir(workdir: Path) -> dict[str, str]:
     base = workdir / "ompi"
     base.mkdir(mode=0o700, exist_ok=True)
     return {"TMPDIR": str(base)}
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 class Mpirun:
@@ -314,7 +308,7 @@ class Mpirun:
     def close(self) -> None:
         if self._proc.poll() is None:
             proctree.kill_descendants(self._proc.pid)
-        _kill_group(self._proc.pid)
+        kill_group(self._proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(_STOP_S)
         self._relay.join(timeout=1)
@@ -323,15 +317,11 @@ class Mpirun:
 def join_job(endpoint: Endpoint, rank: int, nodes: Sequence[tuple[str, int]], workdir: Path, secret: bytes,
              host: str, timeout_s: float, log: Callable[[str], object]) -> tuple[dict[str, str], Mpirun | None]:
     """Once the gang formed: rank 0 starts mpirun; every rank waits for its proxy. Returns the
-    rank's job variables and, in rank 0, the mpirun to close with the task. RuntimeError (its
-    message for the report) when the rank cannot join within ``timeout_s``."""
+    rank's job variables and, in rank 0, the mpirun to close with the task. RuntimeError or
+    TimeoutError (their message for the report) when the rank cannot join within ``timeout_s``."""
     mpirun = Mpirun(workdir, nodes, secret, host, timeout_s=timeout_s, log=log) if rank == 0 else None
     try:
         return endpoint.join(timeout_s, mpirun.ended if mpirun is not None else lambda: None), mpirun
-    except TimeoutError as exc:
-        if mpirun is not None:
-            mpirun.close()
-        raise RuntimeError(str(exc)) from exc
     except BaseException:
         if mpirun is not None:
             mpirun.close()
