@@ -1,17 +1,39 @@
-"""Shared fixtures: one Spark session at a time for the whole test session, and leak checks.
+"""Shared fixtures and the rules of the suite.
+
+Where a test goes (the folder decides its tier and markers; see "Where a test goes" in the README):
+
+- ``tests/unit/<package path>/``: no JVM and no Spark session (a guard fails a unit test that
+  starts either); mirrors ``sparkdl/``.
+- ``tests/integration/``: one Spark session in this process (``local[N]``), marked ``spark``.
+- ``tests/cluster/``: several executor JVMs (``local-cluster``, standalone, namespaced hosts),
+  marked ``spark`` and ``cluster``.
+- ``tests/e2e/``: whole programs (jobs, notebooks, the CLI, Spark Connect clients), marked
+  ``spark`` and ``e2e``.
 
 Spark allows one SparkContext per process. Tests ask for the session they need through
 ``spark_session(master, conf)``; a request for the same master and confs reuses the running
-session, another stops it and starts the new one. Tests marked ``cluster`` run last, so the
-``local[2]`` session is shared by everything before them.
+session, another stops it and starts the new one. Tiers run in the order above, so the
+``local[2]`` session is shared by everything before the cluster tests.
+
+Tests may run in parallel (``pytest -n 2``, pytest-xdist): each worker has its own Spark session,
+temp dirs and ports, and every process a worker starts carries its tag (``SPARKDL_TEST_TAG``), so
+that leak checks count only what this worker started. Tests that must not share a worker's
+neighbour, or that share something expensive (one Connect server, one namespaced cluster), are
+kept on one worker by an ``xdist_group``.
+
+On the classic stack, unit tests that cannot behave differently there are left to the modern
+stack (``tests/stack_rule.py``); the summary says which and why. ``tools/test --full`` runs all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,13 +42,71 @@ from typing import Any
 import psutil
 import pytest
 
-# tools/ (standalone_cluster.py, netns_cluster.py) is not a package: tests import its modules by name.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+# tools/ (standalone_cluster.py, netns_cluster.py, connect_server.py) and tests/ (resources/,
+# stack_rule.py) are not packages: tests in every tier import their modules by name.
+for _path in (REPO / "tools", TESTS):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import stack_rule  # noqa: E402
 
 # Everything stays on loopback, and executors use this interpreter (the project's .venv).
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+
+# Every process this test process starts inherits the tag (JVMs, Python workers, zygotes, ranks,
+# MPI daemons, servers): what another worker, or another stack's run, started is not ours.
+TEST_TAG_ENV = "SPARKDL_TEST_TAG"
+TEST_TAG = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}-{secrets.token_hex(3)}"
+os.environ[TEST_TAG_ENV] = TEST_TAG
+
+TIERS = ("unit", "integration", "cluster", "e2e")
+_PARALLEL_ORDER = ("cluster", "e2e", "integration", "unit")
+_TIER_MARKS = {"unit": ("unit",), "integration": ("spark",), "cluster": ("spark", "cluster"), "e2e": ("spark", "e2e")}
+# Modules that share one expensive thing, or look at the whole machine, run on one worker.
+_SHARED_GROUPS = {
+    "connect": ("test_connect.py", "test_connect_ml.py", "test_connect_relay.py", "test_cli_connect.py"),
+    "netns": ("test_netns_cluster.py", "test_netns_hosts.py"),
+}
+
+
+def tier_of(path: Path) -> str:
+    """The tier of a test file: the folder under tests/ it sits in."""
+    rel = Path(path).resolve().relative_to(TESTS)
+    if len(rel.parts) < 2 or rel.parts[0] not in TIERS:
+        raise pytest.UsageError(
+            f"{rel}: every test file lives in one of tests/{{{','.join(TIERS)}}}/ (see 'Where a test goes' in the README)"
+        )
+    return rel.parts[0]
+
+
+def current_stack() -> str:
+    """modern or classic: what tools/test says, else what tools/bootstrap.sh wrote in the venv."""
+    if stack := os.environ.get("SPARKDL_STACK"):
+        return stack
+    stamp = Path(sys.prefix) / ".sparkdl-stack"
+    return stamp.read_text().strip() if stamp.is_file() else "modern"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--every-stack", action="store_true", default=False,
+        help="run every test on this stack, also those the classic stack leaves to the modern one (tools/test --full)",
+    )
+
+
+def owned(proc: psutil.Process) -> bool:
+    """Whether this test process started ``proc``: it carries our tag, or descends from us."""
+    with contextlib.suppress(psutil.Error, OSError):
+        if proc.environ().get(TEST_TAG_ENV) == TEST_TAG:
+            return True
+    with contextlib.suppress(psutil.Error):
+        return any(parent.pid == os.getpid() for parent in proc.parents())
+    return False
+
 
 _BASE_CONF = {
     "spark.ui.enabled": "false",
@@ -41,11 +121,20 @@ _BASE_CONF = {
 }
 
 _current: dict[str, object] = {}
+# Sessions started by this process, by (master, confs): a key started twice is a restart that a
+# better order would have saved; the summary lists them.
+_started: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+_unit_item: dict[str, str] = {}  # the unit test now running, if any: it may ask for no session
 
 
 def _get_session(master: str, conf: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     from pyspark.sql import SparkSession
 
+    if _unit_item:
+        raise AssertionError(
+            f"{_unit_item['nodeid']} asked for a Spark session: tests/unit is for tests without a JVM; "
+            "move it to tests/integration (one session) or tests/cluster"
+        )
     key = (master, tuple(sorted((conf or {}).items())))
     if _current.get("key") == key:
         return _current["session"]
@@ -59,6 +148,7 @@ def _get_session(master: str, conf: dict[str, str] | None = None):  # type: igno
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     _current.update(key=key, session=session)
+    _started.append(key)
     return session
 
 
@@ -78,22 +168,167 @@ def spark(spark_session):  # type: ignore[no-untyped-def]
     return spark_session("local[2]")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Switching sessions costs seconds: keep every local[2] test before the cluster tests.
-    items.sort(key=lambda item: 1 if item.get_closest_marker("cluster") else 0)
+def _group_of(item: pytest.Item, tier: str) -> str:
+    name = Path(str(item.fspath)).name
+    for group, files in _SHARED_GROUPS.items():
+        if name in files:
+            return group
+    # A module's tests stay together (its module fixtures start once); unit tests spread freely.
+    return "" if tier == "unit" else str(Path(str(item.fspath)).relative_to(TESTS))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers = {}
+    for item in items:
+        tier = tiers[item.nodeid] = tier_of(Path(str(item.fspath)))
+        for mark in _TIER_MARKS[tier]:
+            item.add_marker(mark)
+        if group := _group_of(item, tier):
+            item.add_marker(pytest.mark.xdist_group(group))
+    # One process: tiers in order, so that the local[2] session serves everything up to the
+    # cluster tests. Test workers (xdist) take groups in this order as they free up: the longest
+    # (the shared groups, then cluster and e2e modules) first, the many short unit tests last to
+    # fill the tail. Within a tier, local-cluster tests come after the local[N] ones.
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        def key(item: pytest.Item) -> tuple[int, ...]:
+            shared = _group_of(item, tiers[item.nodeid]) in _SHARED_GROUPS
+            return (0 if shared else 1, _PARALLEL_ORDER.index(tiers[item.nodeid]), 1 if item.get_closest_marker("cluster") else 0)
+    else:
+        def key(item: pytest.Item) -> tuple[int, ...]:
+            return (TIERS.index(tiers[item.nodeid]), 1 if item.get_closest_marker("cluster") else 0)
+    items.sort(key=key)
+
+    stack = current_stack()
+    left: dict[str, list[Any]] = {}
+    leave = []
+    for item in items:
+        path = Path(str(item.fspath))
+        reason = stack_rule.left_to_modern(path, tiers[item.nodeid])
+        if reason is not None and not item.get_closest_marker("both_stacks"):
+            leave.append(item)
+            left.setdefault(str(path.relative_to(REPO)), [0, reason])[0] += 1
+    deselect = stack != "modern" and not config.getoption("--every-stack")
+    if deselect and leave:
+        config.hook.pytest_deselected(items=leave)
+        gone = set(leave)
+        items[:] = [item for item in items if item not in gone]
+    report = {"stack": stack, "selected": len(items), "left": left, "deselected": deselect}
+    config.stash[_STACK_REPORT] = report
+    if hasattr(config, "workeroutput"):  # an xdist worker: the controller prints the summary
+        config.workeroutput["sparkdl_stack_report"] = json.dumps(report)
+
+
+_STACK_REPORT = pytest.StashKey[dict[str, Any]]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    output = getattr(node, "workeroutput", {})
+    if "sparkdl_stack_report" in output:
+        node.config.stash[_STACK_REPORT] = json.loads(output["sparkdl_stack_report"])
+    for key in output.get("sparkdl_restarts", []):
+        node.config.stash.setdefault(_RESTARTS, []).append(key)
+
+
+_RESTARTS = pytest.StashKey[list[str]]()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    seen: set[Any] = set()
+    restarts = [f"{master} {dict(conf)}" for master, conf in _started if (master, conf) in seen or seen.add((master, conf))]
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["sparkdl_restarts"] = restarts
+    else:
+        session.config.stash[_RESTARTS] = restarts
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    report = config.stash.get(_STACK_REPORT, None)
+    if report is None:
+        return
+    write = terminalreporter.write_line
+    left = report["left"]
+    count = sum(n for n, _ in left.values())
+    terminalreporter.section(f"stack {report['stack']}")
+    if report["stack"] == "modern":
+        write(f"stack modern: {report['selected']} tests selected; {count} of them run on this stack only "
+              "(the classic stack leaves them here: tests/stack_rule.py)")
+    elif report["deselected"]:
+        write(f"stack {report['stack']}: {report['selected']} tests selected; {count} left to the modern stack "
+              "(rule: tests/stack_rule.py):")
+        for path, (n, reason) in sorted(left.items()):
+            write(f"  {path} ({n}): {reason}")
+    else:
+        write(f"stack {report['stack']}: {report['selected']} tests selected, every test (--every-stack)")
+    restarts = config.stash.get(_RESTARTS, [])
+    if restarts:
+        write(f"Spark sessions started again with the same settings ({len(restarts)}): {'; '.join(restarts)}")
+
+
+class _NoJvmGuard:
+    """Watches a unit test, fixtures included, for a JVM it starts or a Spark session it asks for."""
+
+    def __init__(self, item: pytest.Item) -> None:
+        self.me = psutil.Process()
+        self.before, self.seen, self.done = self._jvms(), set(), threading.Event()
+        self.watcher = threading.Thread(target=self._watch, daemon=True, name="unit-jvm-guard")
+        self.watcher.start()
+        _unit_item["nodeid"] = item.nodeid
+
+    def _jvms(self) -> set[int]:
+        found = set()
+        for proc in self.me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if proc.name().startswith("java"):
+                    found.add(proc.pid)
+        return found
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.25):
+            self.seen.update(self._jvms() - self.before)
+
+    def stop(self) -> set[int]:
+        _unit_item.clear()
+        self.done.set()
+        self.watcher.join(5)
+        return self.seen | (self._jvms() - self.before)
+
+
+_GUARD = pytest.StashKey[_NoJvmGuard]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if tier_of(Path(str(item.fspath))) == "unit":
+        item.stash[_GUARD] = _NoJvmGuard(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    try:
+        return (yield)
+    finally:
+        guard = item.stash.get(_GUARD, None)
+        if guard is not None:
+            del item.stash[_GUARD]
+            if started := guard.stop():
+                raise AssertionError(
+                    f"{item.nodeid} started a JVM (pids {sorted(started)}): tests/unit is for tests "
+                    "without one; move it to tests/integration, tests/cluster or tests/e2e"
+                )
 
 
 def _rank_processes() -> list[psutil.Process]:
-    """Live rank processes: fresh interpreters (``-m sparkdl.rank``) and ranks forked by a zygote,
-    and an MPI job's (mpirun, its daemons, sparkdl's agents and proxies)."""
+    """Live rank processes that this test process started: fresh interpreters (``-m sparkdl.rank``)
+    and ranks forked by a zygote, and an MPI job's (mpirun, its daemons, sparkdl's agents and proxies)."""
     found = []
     for proc in psutil.process_iter(["cmdline", "name", "status"]):
         cmd = proc.info.get("cmdline") or []
         name = proc.info.get("name") or ""
         if proc.info.get("status") == psutil.STATUS_ZOMBIE:
             continue
-        if "sparkdl.rank" in cmd or name.startswith("sparkdl-rank") or "sparkdl.task.mpi_proxy" in cmd \
-                or name in ("orted", "mpirun"):
+        if ("sparkdl.rank" in cmd or name.startswith("sparkdl-rank") or "sparkdl.task.mpi_proxy" in cmd
+                or name in ("orted", "mpirun")) and owned(proc):
             found.append(proc)
     return found
 
@@ -223,6 +458,7 @@ def _executor_gpus() -> dict[int, set[str]]:
         if (
             "org.apache.spark.executor.CoarseGrainedExecutorBackend" in cmd
             and "--resourcesFile" in cmd
+            and owned(proc)
         ):
             path = cmd[cmd.index("--resourcesFile") + 1]
             with open(path) as f:
@@ -291,7 +527,6 @@ def other_user() -> Iterator[OtherUser]:
     """A second local user, created for this test session and removed after it, with every
     process it still runs. Creating one needs root: elsewhere the test is skipped, and the skip
     (shown in the summary, ``-rs``) says why."""
-    import secrets
     import shutil
 
     if os.geteuid() != 0 or shutil.which("useradd") is None:
@@ -299,16 +534,26 @@ def other_user() -> Iterator[OtherUser]:
     if not os.access("/usr/bin/python3", os.X_OK):
         pytest.skip("a second Unix user is needed to run /usr/bin/python3, and this host has none")
     name = f"sdlt{secrets.token_hex(3)}"
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],
-        check=True, capture_output=True, timeout=30,
-    )
+    _accounts("useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name)
     user = OtherUser(name)
     try:
         yield user
     finally:
         user.end_all()
-        subprocess.run(["userdel", name], capture_output=True, timeout=30)
+        _accounts("userdel", name)
+
+
+def _accounts(*argv: str) -> None:
+    """useradd/userdel, tried again while another test worker holds the lock on /etc/passwd
+    (exit 10: "cannot lock /etc/passwd"), for at most 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            return
+        if done.returncode != 10 or time.monotonic() > deadline:
+            raise AssertionError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
+        time.sleep(0.2)
 
 
 def path_without(tmp_path: Path, *names: str) -> str:
@@ -326,3 +571,58 @@ def path_without(tmp_path: Path, *names: str) -> str:
                 (copy / f.name).symlink_to(f)
         dirs.append(str(copy))
     return os.pathsep.join(dirs)
+
+
+# Only the Connect server's processes have this variable: a rank that has it ran under the server.
+CONNECT_SERVER_MARK, CONNECT_SERVER_TOKEN = "SPARKDL_TEST_CONNECT_SERVER", secrets.token_hex(8)
+
+
+class _ConnectServers:
+    """The one Spark Connect server (``local[2]``) of this worker, started again if a test killed it."""
+
+    def __init__(self, cache: Path) -> None:
+        self.cache, self.server = cache, None
+
+    def get(self) -> Any:
+        from connect_server import ConnectServer
+
+        if self.server is not None and self.server.proc is not None and self.server.proc.poll() is None:
+            return self.server
+        self.close()
+        confs = {"spark.sql.shuffle.partitions": "2", "spark.sparkdl.cacheDir": str(self.cache)}
+        server = ConnectServer("local[2]", confs=confs, start_timeout_s=180)
+        os.environ[CONNECT_SERVER_MARK] = CONNECT_SERVER_TOKEN
+        try:
+            server.start()
+        except BaseException:
+            server.cleanup()
+            raise
+        finally:
+            del os.environ[CONNECT_SERVER_MARK]
+        self.server = server
+        return server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.cleanup()
+            self.server = None
+
+
+@pytest.fixture(scope="session")
+def _connect_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_ConnectServers]:
+    from connect_server import connect_available
+
+    if reason := connect_available():
+        pytest.skip(reason)
+    servers = _ConnectServers(tmp_path_factory.mktemp("connect-cache"))
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture
+def connect_server(_connect_servers: _ConnectServers) -> Any:
+    """A Spark Connect server on 127.0.0.1 (``local[2]``), shared by every Connect test of this
+    worker (tests/e2e's Connect modules are one xdist group): a JVM start instead of four."""
+    return _connect_servers.get()

@@ -1,6 +1,6 @@
 """A Spark Connect server on loopback, from the jar that ships with pip's pyspark 4.
 
-    with ConnectServer(master="local[2]") as server:   # tests/test_connect.py, benchmarks
+    with ConnectServer(master="local[2]") as server:   # tests/e2e/test_connect.py, benchmarks
         spark = SparkSession.builder.remote(server.url).getOrCreate()
 
 The server is ``spark-submit --class org.apache.spark.sql.connect.service.SparkConnectServer``

@@ -1,6 +1,6 @@
 """A machine for a Spark Connect client that the executors cannot reach (a laptop, a notebook service).
 
-    with IsolatedClient(server_port) as box:            # tests/test_connect_relay.py
+    with IsolatedClient(server_port) as box:            # tests/e2e/test_connect_relay.py
         subprocess.run([*box.enter(), python, "client.py", box.url])
 
 The client runs in a network namespace of its own that has only a loopback: whatever it listens

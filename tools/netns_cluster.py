@@ -8,7 +8,7 @@ are private tmpfs: hosts share neither. Paths under /tmp that hosts need (this r
 venv, Spark, the shared dir, ``keep``) are bound back into each private /tmp. ``cluster.shared``
 (default: a fresh dir under /var/tmp) is seen by every host at the same path, like an NFS mount.
 
-    with NetnsCluster(workers=2) as cluster:  # a test: see tests/test_netns_cluster.py
+    with NetnsCluster(workers=2) as cluster:  # a test: see tests/cluster/test_netns_cluster.py
         subprocess.run([sys.executable, "job.py"], env=cluster.driver_env())  # + driver_conf()
         cluster.link_down(cluster.hosts[0])  # a network partition of worker 0
 

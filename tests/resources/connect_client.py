@@ -1,4 +1,4 @@
-"""A Spark Connect client program (tests/test_connect.py runs it against a real Connect server).
+"""A Spark Connect client program (tests/e2e/test_connect.py runs it against a real Connect server).
 
 ``python connect_client.py URL SCENARIO WORKDIR``: the session is ``SparkSession.builder.remote(URL)``,
 which has no SparkContext. Each scenario prints one ``RESULT <json>`` line. This file runs as a

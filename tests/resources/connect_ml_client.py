@@ -1,4 +1,4 @@
-"""A Spark Connect client program for TorchEstimator / TorchModel (tests/test_connect_ml.py runs it
+"""A Spark Connect client program for TorchEstimator / TorchModel (tests/e2e/test_connect_ml.py runs it
 against a real Connect server).
 
 ``python connect_ml_client.py URL SCENARIO WORKDIR``: the session is ``SparkSession.builder.remote(URL)``,

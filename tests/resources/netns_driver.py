@@ -1,4 +1,4 @@
-"""A driver program on the namespaced cluster's bridge (tests/test_netns_hosts.py runs it).
+"""A driver program on the namespaced cluster's bridge (tests/cluster/test_netns_hosts.py runs it).
 
 ``python netns_driver.py SCENARIO PARAMS_JSON``: the Spark confs come from PARAMS_JSON's
 ``conf`` (the cluster's driver confs), storage every host shares is ``shared``, host 2's address

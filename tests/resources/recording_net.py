@@ -1,5 +1,5 @@
 """A model that records, per process, every time it is unpickled and every forward call's batch
-size (tests/test_ml.py and the Connect client of tests/test_connect_ml.py: "loaded once per
+size (-> and the Connect client of tests/e2e/test_connect_ml.py: "loaded once per
 Python worker, called on whole batches"). Its users register it to be pickled by value, so the
 executors need not import it."""
 

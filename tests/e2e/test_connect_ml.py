@@ -11,43 +11,34 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from connect_server import ConnectServer, connect_available
+from conftest import REPO
+from connect_server import ConnectServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 CLIENT = ROOT / "tests" / "resources" / "connect_ml_client.py"
 
 pytestmark = [pytest.mark.spark]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
-    if reason := connect_available():
-        pytest.skip(reason)
-    cache = tmp_path_factory.mktemp("connect-ml-cache")
-    confs = {"spark.sql.shuffle.partitions": "2", "spark.sparkdl.cacheDir": str(cache)}
-    with ConnectServer("local[2]", confs=confs) as s:
-        yield s
 
-
-def client(server: ConnectServer, scenario: str, work: Path, timeout: float = 420) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, str(CLIENT), server.url, scenario, str(work)], capture_output=True,
+def client(connect_server: ConnectServer, scenario: str, work: Path, timeout: float = 420) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, str(CLIENT), connect_server.url, scenario, str(work)], capture_output=True,
                          text=True, timeout=timeout, cwd=work)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{server.tail()}"
+    assert out.returncode == 0 and lines, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{connect_server.tail()}"
     result: dict[str, Any] = json.loads(lines[-1].split(" ", 1)[1])
     return result
 
 
 def test_a_pipeline_with_torchestimator_fits_scores_saves_and_reloads_over_connect(
-    server: ConnectServer, tmp_path: Path
+    connect_server: ConnectServer, tmp_path: Path
 ) -> None:
-    r = client(server, "pipeline", tmp_path)
+    r = client(connect_server, "pipeline", tmp_path)
     history = r["history"]
     assert r["stage_type"] == "TorchModel"
     assert [h["epoch"] for h in history] == list(range(1, 7))
@@ -68,9 +59,9 @@ def test_a_pipeline_with_torchestimator_fits_scores_saves_and_reloads_over_conne
 
 
 def test_transform_uploads_the_model_once_and_loads_it_once_per_python_worker(
-    server: ConnectServer, tmp_path: Path
+    connect_server: ConnectServer, tmp_path: Path
 ) -> None:
-    r = client(server, "once", tmp_path)
+    r = client(connect_server, "once", tmp_path)
     assert r["prediction_type"] == "array<float>" and r["close"] and r["classified_ok"]
     # One upload of one file named by the content hash, for two transforms (a copy of the model).
     assert len(r["uploads"]) == 1 and r["uploads"][0].startswith("sparkdl-model-"), r["uploads"]
@@ -104,8 +95,8 @@ def test_a_worker_refuses_model_bytes_that_do_not_match_the_model_id() -> None:
         Scorer(source=data + b"x", **good).module_bytes()  # type: ignore[arg-type]
 
 
-def test_bad_input_gives_the_same_clear_errors_over_connect(server: ConnectServer, tmp_path: Path) -> None:
-    r = client(server, "bad", tmp_path)
+def test_bad_input_gives_the_same_clear_errors_over_connect(connect_server: ConnectServer, tmp_path: Path) -> None:
+    r = client(connect_server, "bad", tmp_path)
     kind, message = r["fractional"]
     assert kind == "ConfigError" and "labelCol='label'" in message and "not whole numbers" in message, message
     kind, message = r["wrong_type"]
@@ -117,7 +108,7 @@ def test_bad_input_gives_the_same_clear_errors_over_connect(server: ConnectServe
     assert "featuresCol='features' is null in 1 of the" in r["nulls"][1], r["nulls"]
 
 
-def test_models_saved_classic_load_over_connect_and_back(server: ConnectServer, spark: Any, tmp_path: Path) -> None:
+def test_models_saved_classic_load_over_connect_and_back(connect_server: ConnectServer, spark: Any, tmp_path: Path) -> None:
     import torch
     from pyspark.ml import PipelineModel
     from pyspark.ml.feature import SQLTransformer
@@ -139,7 +130,7 @@ def test_models_saved_classic_load_over_connect_and_back(server: ConnectServer, 
     classifier.save(str(tmp_path / "classic-model"))
     pipeline.save(str(tmp_path / "classic-pipeline"))
 
-    r = client(server, "compat", tmp_path)
+    r = client(connect_server, "compat", tmp_path)
     assert r["model"] == want_model and r["pipeline"] == want_pipeline
 
     back = TorchModel.load(str(tmp_path / "connect-model"))

@@ -10,42 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-from connect_server import ConnectServer, connect_available
+from conftest import CONNECT_SERVER_TOKEN
+from connect_server import ConnectServer
 
 pytestmark = [pytest.mark.spark]
 
 CLI = [sys.executable, "-m", "sparkdl.cli"]
-SERVER_MARK, SERVER_TOKEN = "SPARKDL_TEST_CONNECT_SERVER", secrets.token_hex(8)
 
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ConnectServer]:
-    if reason := connect_available():
-        pytest.skip(reason)
-    server = ConnectServer("local[2]", confs={"spark.sql.shuffle.partitions": "2"}, start_timeout_s=180)
-    # Only the server's processes have this variable: a rank that has it ran under the server.
-    os.environ[SERVER_MARK] = SERVER_TOKEN
-    try:
-        server.start()
-    except BaseException:
-        server.cleanup()
-        raise
-    finally:
-        del os.environ[SERVER_MARK]
-    try:
-        yield server
-    finally:
-        server.cleanup()
 
 
 def sparkdl(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -92,15 +71,15 @@ if rank == 0:
 
 
 @pytest.mark.timeout(300)
-def test_run_trains_on_the_connect_servers_executors_and_reruns_the_gang(server: ConnectServer, tmp_path: Path) -> None:
+def test_run_trains_on_the_connect_servers_executors_and_reruns_the_gang(connect_server: ConnectServer, tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(SCRIPT)
-    out = sparkdl("run", "-n", "2", "--remote", server.url, "--max-attempts", "2", "--timeout", "120",
+    out = sparkdl("run", "-n", "2", "--remote", connect_server.url, "--max-attempts", "2", "--timeout", "120",
                   "train.py", "result.json", "failed-once", cwd=tmp_path)
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{server.tail()}"
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{connect_server.tail()}"
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["sum"] == 3.0 and result["world"] == 2
     # Rank 0 ran under the Connect server (its executor), not under the command.
-    assert result["server"] == SERVER_TOKEN
+    assert result["server"] == CONNECT_SERVER_TOKEN
     # Rank 1 failed once; the whole gang reran; the ranks' output reached the client, tagged.
     assert (tmp_path / "failed-once").exists()
     assert "[rank 1] rank 1 fails on purpose" in out.stdout
@@ -108,9 +87,9 @@ def test_run_trains_on_the_connect_servers_executors_and_reruns_the_gang(server:
 
 
 @pytest.mark.timeout(200)
-def test_run_over_connect_exits_1_with_the_failure_report(server: ConnectServer, tmp_path: Path) -> None:
+def test_run_over_connect_exits_1_with_the_failure_report(connect_server: ConnectServer, tmp_path: Path) -> None:
     (tmp_path / "fail.py").write_text("import sys\nprint('failing now', flush=True)\nsys.exit(7)\n")
-    out = sparkdl("run", "-n", "2", "--remote", server.url, "--max-attempts", "1", "fail.py", cwd=tmp_path, timeout=180)
+    out = sparkdl("run", "-n", "2", "--remote", connect_server.url, "--max-attempts", "1", "fail.py", cwd=tmp_path, timeout=180)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "sparkdl.run failed after 1 attempt(s)" in out.stderr, out.stderr[-3000:]
     assert "Root cause: attempt 0, rank" in out.stderr and "exited with code 7" in out.stderr, out.stderr[-3000:]
@@ -118,14 +97,14 @@ def test_run_over_connect_exits_1_with_the_failure_report(server: ConnectServer,
 
 
 @pytest.mark.timeout(200)
-def test_doctor_reports_the_executors_of_a_connect_server(server: ConnectServer, tmp_path: Path) -> None:
+def test_doctor_reports_the_executors_of_a_connect_server(connect_server: ConnectServer, tmp_path: Path) -> None:
     import torch
 
-    out = sparkdl("doctor", "--remote", server.url, "-n", "2", "--timeout", "150",
+    out = sparkdl("doctor", "--remote", connect_server.url, "-n", "2", "--timeout", "150",
                   "--conf", "spark.executor.memory=3g", cwd=tmp_path, timeout=180)
-    assert out.returncode == 0, f"{out.stdout}\n{out.stderr[-3000:]}\n--- server\n{server.tail()}"
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr[-3000:]}\n--- server\n{connect_server.tail()}"
     r = rows(out.stdout)
-    assert "a Spark Connect client" in r["spark session"] and f"server {server.url}, master local[2]" in r["spark session"]
+    assert "a Spark Connect client" in r["spark session"] and f"server {connect_server.url}, master local[2]" in r["spark session"]
     assert r["connect client"].rstrip().endswith("ok")
     assert r["java"].rstrip().endswith("info") and "a Spark Connect client runs no JVM" in out.stdout
     # What the probe job found on the executors (the server's local[2]: one executor, 4 tasks).
@@ -143,12 +122,12 @@ def test_doctor_reports_the_executors_of_a_connect_server(server: ConnectServer,
 
 @pytest.mark.timeout(200)
 def test_doctor_over_spark_remote_finds_too_few_slots_and_a_channel_host_it_cannot_use(
-        server: ConnectServer, tmp_path: Path) -> None:
+        connect_server: ConnectServer, tmp_path: Path) -> None:
     out = sparkdl("doctor", "-n", "3", "--timeout", "150", "--conf", "spark.sparkdl.channelHost=192.0.2.1",
-                  cwd=tmp_path, env={**os.environ, "SPARK_REMOTE": server.url}, timeout=180)
+                  cwd=tmp_path, env={**os.environ, "SPARK_REMOTE": connect_server.url}, timeout=180)
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     r = rows(out.stdout)
-    assert f"server {server.url}" in r["spark session"]  # SPARK_REMOTE, as pyspark reads it
+    assert f"server {connect_server.url}" in r["spark session"]  # SPARK_REMOTE, as pyspark reads it
     assert r["task slots"].rstrip().endswith("ERROR") and "master local[2] has 2" in out.stdout
     assert r["driver channel"].rstrip().endswith("ERROR") and "cannot listen on 192.0.2.1" in out.stdout
     assert "fix: set spark.sparkdl.channelHost" in out.stdout
@@ -171,8 +150,8 @@ REACH = textwrap.dedent('''\
 
 
 @pytest.mark.timeout(200)
-def test_reach_probes_the_executors_over_connect(server: ConnectServer, tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", REACH, server.url], capture_output=True, text=True, timeout=180,
+def test_reach_probes_the_executors_over_connect(connect_server: ConnectServer, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", REACH, connect_server.url], capture_output=True, text=True, timeout=180,
                          cwd=tmp_path)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-2000:] + out.stderr[-3000:]
@@ -181,11 +160,11 @@ def test_reach_probes_the_executors_over_connect(server: ConnectServer, tmp_path
     assert len(unseen) == 1 and unseen[0][0] == "127.0.0.1" and "has no file .sparkdl-reach-" in unseen[0][1], unseen
 
 
-def test_no_command_left_a_process_under_the_server(server: ConnectServer) -> None:
+def test_no_command_left_a_process_under_the_server(connect_server: ConnectServer) -> None:
     """The doctor's probe and the runs end with their commands: no rank is left under the server."""
-    assert server.proc is not None
+    assert connect_server.proc is not None
     deadline = time.monotonic() + 30
-    while left := [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+    while left := [p for p in psutil.Process(connect_server.proc.pid).children(recursive=True)
                    if p.status() != psutil.STATUS_ZOMBIE
                    and ("sparkdl.rank" in " ".join(p.cmdline()) or p.name().startswith("sparkdl-rank"))]:
         assert time.monotonic() < deadline, [p.cmdline() for p in left]

@@ -22,8 +22,9 @@ from typing import Any
 
 import netns_cluster as tool
 import pytest
+from conftest import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DRIVER = ROOT / "tests" / "resources" / "netns_driver.py"
 RUN_TIMEOUT_S = 420
 

@@ -3,7 +3,7 @@
 With ``spark.sparkdl.channel=relay`` no task opens the channel to the driver: task 0 runs the
 attempt's relay hub, and its signed record of the attempt comes back as rows of the Spark job,
 which the driver replays into its monitor (sparkdl.driver.relay). Here on a classic local[2]
-session, where the mode is chosen by the conf; tests/test_connect.py runs it over Spark Connect
+session, where the mode is chosen by the conf; tests/e2e/test_connect.py runs it over Spark Connect
 with a client the executors really cannot reach.
 """
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 import standalone_cluster
+from conftest import REPO
 
 from sparkdl.driver.cluster import executor_error
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 SYSTEM_PATH = "/usr/bin:/bin"
 
 pytestmark = [pytest.mark.spark]

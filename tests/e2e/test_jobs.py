@@ -1,5 +1,5 @@
 """The jobs in jobs/: their options and defaults file (no JVM), and the training job end to end
-with plain ``python`` on a local Spark session it creates itself. tests/test_standalone.py
+with plain ``python`` on a local Spark session it creates itself. tests/cluster/test_standalone.py
 submits all three jobs with spark-submit to a real standalone cluster.
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 JOBS = ROOT / "jobs"
 
 

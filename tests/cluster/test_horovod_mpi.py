@@ -32,7 +32,7 @@ except sparkdl.BackendUnavailableError as exc:
 
 # The Gloo tests' training function (pickled by value, as its module asks), for the same model and data.
 from conftest import path_without  # noqa: E402
-from test_horovod import CFG, train_horovod  # noqa: E402
+from resources.horovod_train import CFG, train_horovod  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -63,10 +63,15 @@ def no_session_files_left() -> Any:
 
 
 def _mpi_processes() -> list[dict[str, Any]]:
-    """mpirun, its daemons and sparkdl's proxies on this machine, each with its parent's command."""
+    """mpirun, its daemons and sparkdl's proxies of this test process (they inherit its
+    SPARKDL_TEST_TAG, as this rank did; another test worker's are not counted), each with its
+    parent's command."""
     found = []
-    for proc in psutil.process_iter(["pid", "name", "cmdline", "ppid"]):
+    tag = os.environ["SPARKDL_TEST_TAG"]
+    for proc in psutil.process_iter(["pid", "name", "cmdline", "ppid", "environ"]):
         cmd = proc.info["cmdline"] or []
+        if (proc.info["environ"] or {}).get("SPARKDL_TEST_TAG") != tag:
+            continue
         if proc.info["name"] in ("orted", "mpirun") or "sparkdl.task.mpi_proxy" in cmd:
             try:
                 parent = psutil.Process(proc.info["ppid"])

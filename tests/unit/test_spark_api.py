@@ -1,5 +1,5 @@
 """sparkdl.spark_api without a JVM: what a master URL says about task slots, and which sessions
-count as Spark Connect ones (the Connect paths themselves run in tests/test_connect.py)."""
+count as Spark Connect ones (the Connect paths themselves run in tests/e2e/test_connect.py)."""
 
 from __future__ import annotations
 

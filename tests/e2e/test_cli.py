@@ -1,7 +1,7 @@
 """The ``sparkdl`` command line, run as a real subprocess (``python -m sparkdl.cli``).
 
 ``sparkdl doctor`` against a real standalone cluster (executors, GPUs, slots) is in
-tests/test_standalone.py; here it runs on the driver alone, with a real and with a fake Java.
+tests/cluster/test_standalone.py; here it runs on the driver alone, with a real and with a fake Java.
 """
 
 from __future__ import annotations

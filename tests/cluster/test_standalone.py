@@ -23,8 +23,9 @@ from typing import Any
 import psutil
 import pytest
 import standalone_cluster as sc_mod
+from conftest import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 FAKE_GPUS = ROOT / "tests" / "resources" / "fake-gpus.sh"
 JOB_TIMEOUT_S = 300
 

@@ -7,11 +7,11 @@ import inspect
 import json
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import pytest
+from conftest import REPO
 
 import sparkdl
 
@@ -21,7 +21,7 @@ pyspark_cloudpickle = pytest.importorskip("pyspark.cloudpickle")
 pyspark_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.spark
-SCRIPT = str(Path(__file__).parent / "resources" / "td_train_script.py")
+SCRIPT = str(REPO / "tests" / "resources" / "td_train_script.py")
 
 
 def hvd_train(lr: float = 0.1) -> dict[str, Any]:

@@ -7,8 +7,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-ROOT = Path(__file__).resolve().parent.parent / "sparkdl"
+ROOT = REPO / "sparkdl"
 MAX_LINES = 400
 
 # The stages of the path, lowest first: a module may import modules of a lower layer, or of its
@@ -82,7 +83,7 @@ def _layer(module: str) -> tuple[int, str]:
         for key in layer:
             if (rel == key or rel.startswith(key + ".")) and (best is None or len(key) > len(best[1])):
                 best = (index, key)
-    assert best is not None, f"{module} is in no layer of tests/test_layout.py: place it"
+    assert best is not None, f"{module} is in no layer of tests/unit/test_layout.py: place it"
     return best
 
 

@@ -20,8 +20,9 @@ from pathlib import Path
 import netns_cluster
 import psutil
 import pytest
+from conftest import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 

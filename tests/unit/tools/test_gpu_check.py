@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from sparkdl.config import RunConfig
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec, gang_env, rank_env, read_gang, read_rank
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 CUDA_ONLY = {
     "a rank with 2 GPUs (spark.task.resource.gpu.amount=2)",
     "process group, CUDA tensors (nccl)",
@@ -27,6 +28,7 @@ CUDA_ONLY = {
 }
 
 
+@pytest.mark.both_stacks("tools/gpu-check reads Parquet and scores through sparkdl.data and sparkdl.ml (pyarrow, pandas)")
 @pytest.mark.usefixtures("no_leaks")
 def test_gpu_check_on_the_cpu_passes_every_check_but_the_cuda_ones_without_pyspark(tmp_path: Path) -> None:
     blocker = tmp_path / "no-pyspark" / "pyspark"

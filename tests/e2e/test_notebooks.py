@@ -19,9 +19,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import REPO
 from connect_server import connect_available
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = REPO / "notebooks"
 NAMES = ["quickstart", "pipeline", "connect"]
 # The last cell ends the Spark session the notebook started (and the Connect server it started).
 LAST_CELL = {"connect": "spark.stop()\nif server is not None:  # the Connect server this notebook started\n    server.cleanup()"}

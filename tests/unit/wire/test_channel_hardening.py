@@ -19,10 +19,10 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO
 
 from sparkdl.wire.channel import (
     MAX_PAYLOAD_BYTES,
@@ -36,7 +36,6 @@ from sparkdl.wire.channel import (
 from sparkdl.wire.messages import Hello, encode
 
 SECRET = b"hardening-secret" * 2
-REPO = Path(__file__).resolve().parent.parent
 
 
 class _Echo:

@@ -17,28 +17,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import isolated_client
 import psutil
 import pytest
-from conftest import wait_ended, wait_for_pids
-from connect_server import ConnectServer, connect_available
+from conftest import REPO, wait_ended, wait_for_pids
+from connect_server import ConnectServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 CLIENT = ROOT / "tests" / "resources" / "connect_client.py"
 
 pytestmark = [pytest.mark.spark]
 
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ConnectServer]:
-    if reason := connect_available():
-        pytest.skip(reason)
-    with ConnectServer("local[2]", confs={"spark.sql.shuffle.partitions": "2"}) as s:
-        yield s
 
 
 def _result(out: str) -> dict[str, Any]:
@@ -49,14 +41,14 @@ def _result(out: str) -> dict[str, Any]:
 
 
 def test_a_client_the_executors_cannot_reach_still_gets_logs_reruns_and_the_report(
-    server: ConnectServer, tmp_path: Path
+    connect_server: ConnectServer, tmp_path: Path
 ) -> None:
     if reason := isolated_client.available():
         pytest.skip(reason)
-    with isolated_client.IsolatedClient(server.port) as box:
+    with isolated_client.IsolatedClient(connect_server.port) as box:
         out = subprocess.run([*box.enter(), sys.executable, str(CLIENT), box.url, "relay", str(tmp_path)],
                              capture_output=True, text=True, timeout=400, cwd=tmp_path)
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{server.tail()}"
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{connect_server.tail()}"
     r = _result(out.stdout)
     # The tasks did not reach the client's channel: the record came back through Spark.
     assert "could not reach this driver" in out.stderr and "spark.sparkdl.channel=auto" in out.stderr
@@ -74,14 +66,14 @@ def test_a_client_the_executors_cannot_reach_still_gets_logs_reruns_and_the_repo
     assert "| working on attempt 0" in report and "time.sleep(120)" in report
 
 
-def test_a_connect_server_that_dies_ends_the_run_and_its_ranks(server: ConnectServer, tmp_path: Path) -> None:
-    # Last in this module: it kills the module's server.
-    proc = subprocess.Popen([sys.executable, str(CLIENT), server.url, "serverdies", str(tmp_path)],
+def test_a_connect_server_that_dies_ends_the_run_and_its_ranks(connect_server: ConnectServer, tmp_path: Path) -> None:
+    # It kills the shared server (last of the Connect tests, by file order): a later request starts a new one.
+    proc = subprocess.Popen([sys.executable, str(CLIENT), connect_server.url, "serverdies", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
         ranks = wait_for_pids(proc, [tmp_path / f"pid-{r}" for r in range(2)])
-        assert server.proc is not None
-        jvm = server.proc.pid
+        assert connect_server.proc is not None
+        jvm = connect_server.proc.pid
         assert psutil.Process(jvm).name() == "java"
         os.kill(jvm, signal.SIGKILL)  # the server's JVM only: its Python workers are left to notice
         killed = time.monotonic()

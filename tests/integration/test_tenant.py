@@ -25,6 +25,7 @@ from typing import Any
 import cloudpickle
 import psutil
 import pytest
+from conftest import owned
 
 import sparkdl
 from sparkdl.private import secret_file
@@ -92,8 +93,9 @@ IMPOSTOR = textwrap.dedent("""
 
 
 def _zygotes() -> list[psutil.Process]:
+    """This user's zygotes that this test process started (not another test worker's)."""
     return [p for p in psutil.process_iter(["name", "uids"]) if p.info["name"] == "sparkdl-zygote"
-            and p.info["uids"].real == os.getuid()]
+            and p.info["uids"].real == os.getuid() and owned(p)]
 
 
 def _end(procs: list[psutil.Process]) -> None:

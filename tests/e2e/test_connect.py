@@ -12,41 +12,32 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_ended, wait_for_pids
-from connect_server import ConnectServer, connect_available
+from conftest import REPO, wait_ended, wait_for_pids
+from connect_server import ConnectServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 CLIENT = ROOT / "tests" / "resources" / "connect_client.py"
 
 pytestmark = [pytest.mark.spark]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConnectServer]:
-    if reason := connect_available():
-        pytest.skip(reason)
-    cache = tmp_path_factory.mktemp("connect-cache")
-    with ConnectServer("local[2]", confs={"spark.sql.shuffle.partitions": "2", "spark.sparkdl.cacheDir": str(cache)}) as s:
-        yield s
 
-
-def client(server: ConnectServer, scenario: str, work: Path, timeout: float = 240) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, str(CLIENT), server.url, scenario, str(work)], capture_output=True,
+def client(connect_server: ConnectServer, scenario: str, work: Path, timeout: float = 240) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, str(CLIENT), connect_server.url, scenario, str(work)], capture_output=True,
                          text=True, timeout=timeout, cwd=work)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{server.tail()}"
+    assert out.returncode == 0 and lines, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}\n--- server\n{connect_server.tail()}"
     result: dict[str, Any] = json.loads(lines[-1].split(" ", 1)[1])
     result["stdout"] = out.stdout
     return result
 
 
-def test_ddp_over_connect_resumes_a_sigkilled_rank_bitwise_equal(server: ConnectServer, tmp_path: Path) -> None:
-    r = client(server, "train", tmp_path)
+def test_ddp_over_connect_resumes_a_sigkilled_rank_bitwise_equal(connect_server: ConnectServer, tmp_path: Path) -> None:
+    r = client(connect_server, "train", tmp_path)
     assert r["rows"] == [320, 320]  # written by write_dataset over Connect, and reopened
     first, again, other = r["cached"]
     assert first == again != other  # write_dataset(df) without a path: its plan cache over Connect
@@ -62,33 +53,33 @@ def test_ddp_over_connect_resumes_a_sigkilled_rank_bitwise_equal(server: Connect
     assert "[rank 1] trained to step 20 on attempt 0" in r["stdout"]
 
 
-def test_a_stopped_run_cancels_its_spark_job_by_tag(server: ConnectServer, tmp_path: Path) -> None:
-    r = client(server, "stop", tmp_path)
+def test_a_stopped_run_cancels_its_spark_job_by_tag(connect_server: ConnectServer, tmp_path: Path) -> None:
+    r = client(connect_server, "stop", tmp_path)
     assert r["error"] and "stopped early" in r["error"] and "the same error every time" in r["error"], r["error"]
     # Two attempts of two ranks ran, and nothing after the driver stopped: Spark's own reruns of
     # the stage (spark.stage.maxConsecutiveAttempts=4) were interrupted with the job's tag.
     assert sorted(r["calls"]) == ["0 0", "0 1", "1 0", "1 1"], r["calls"]
 
 
-def test_too_few_slots_fail_fast_over_connect(server: ConnectServer, tmp_path: Path) -> None:
-    r = client(server, "slots", tmp_path)
+def test_too_few_slots_fail_fast_over_connect(connect_server: ConnectServer, tmp_path: Path) -> None:
+    r = client(connect_server, "slots", tmp_path)
     assert r["required"] == 3 and r["available"] == 2
     assert "master local[2]" in r["error"] and "Spark Connect" in r["error"], r["error"]
     assert r["elapsed"] < 5  # slot_wait_s is 10 s: over Connect, no busy slot is waited for
 
 
-def test_the_drop_ins_run_over_connect_like_sparks(server: ConnectServer, tmp_path: Path) -> None:
-    r = client(server, "dropins", tmp_path)
+def test_the_drop_ins_run_over_connect_like_sparks(connect_server: ConnectServer, tmp_path: Path) -> None:
+    r = client(connect_server, "dropins", tmp_path)
     assert r["td"] == 2.0 * 3.0 * 2  # run(fn, *args, **kwargs) reached the function on 2 ranks
     assert r["gpu"][1] and "spark.task.resource.gpu.amount" in r["gpu"][3], r["gpu"]  # a RuntimeError
     assert r["script"][2] and "epochs" in r["script"][3], r["script"]  # a ValueError
     assert r["hvd"] == 10.0
-    # Spark ML's own checks run over Connect too (tests/test_connect_ml.py trains and scores).
+    # Spark ML's own checks run over Connect too (tests/e2e/test_connect_ml.py trains and scores).
     assert "does not match labelCol='y'" in r["estimator"], r["estimator"]
 
 
-def test_a_client_that_dies_mid_run_leaves_no_rank_running(server: ConnectServer, tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, str(CLIENT), server.url, "orphan", str(tmp_path)],
+def test_a_client_that_dies_mid_run_leaves_no_rank_running(connect_server: ConnectServer, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(CLIENT), connect_server.url, "orphan", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         ranks = wait_for_pids(proc, [tmp_path / f"pid-{r}" for r in range(2)])

@@ -1,0 +1,112 @@
+"""Which tests the classic stack leaves to the modern one, as a rule read from the code.
+
+The two stacks (``constraints/modern.txt``, ``constraints/classic.txt``) pin the same torch,
+Python and sparkdl; they differ only in pyspark, pyarrow, numpy, pandas and Petastorm (and
+py4j/protobuf, which come with them). A test can behave differently on the two stacks only if it
+reaches one of those packages. So:
+
+- every test that needs a JVM (``tests/integration``, ``tests/cluster``, ``tests/e2e``) goes
+  through pyspark and runs on both stacks;
+- a test of ``tests/unit`` runs on both stacks when its file, or a sparkdl module it imports
+  (followed through sparkdl's own imports, those inside functions included), imports one of the
+  stack's packages; otherwise the modern stack alone runs it, and the summary says so and why.
+
+Package ``__init__`` files are not followed as a side effect of importing a submodule: importing
+``sparkdl.wire.messages`` runs ``sparkdl/__init__.py``, but the test exercises the wire module,
+not the data path that ``sparkdl/__init__`` re-exports.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+# What differs between constraints/modern.txt and constraints/classic.txt (and only that).
+STACK_PACKAGES = ("pyspark", "pyarrow", "numpy", "pandas", "petastorm", "py4j")
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "sparkdl"
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of sparkdl module ``name`` (``sparkdl.data.loader``), or None if it is not one."""
+    parts = name.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    base = ROOT.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imports(path: Path, module: str | None) -> set[str]:
+    """Every module name that ``path`` imports, anywhere in the file (relative ones resolved)."""
+    found: set[str] = set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level and module:
+                package = module.split(".")
+                # A package's __init__ is its own package; a plain module's package is its parent.
+                keep = len(package) - node.level + (1 if path.name == "__init__.py" else 0)
+                base = ".".join(package[:keep] + ([base] if base else []))
+            found.add(base)
+            # ``from sparkdl.data import loader`` imports the module sparkdl.data.loader.
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+@functools.cache
+def _reach(module: str) -> frozenset[str]:
+    """The stack packages that sparkdl module ``module`` reaches through sparkdl's own imports."""
+    seen: set[str] = set()
+    hits: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:
+            continue
+        for imported in _imports(path, name):
+            top = imported.split(".")[0]
+            if top in STACK_PACKAGES:
+                hits.add(top)
+            elif top == PACKAGE and _module_file(imported) is not None and imported != PACKAGE:
+                todo.append(imported)
+    return frozenset(hits)
+
+
+@functools.cache
+def stack_packages_reached(test_file: Path) -> tuple[frozenset[str], tuple[str, ...]]:
+    """(the stack packages the test file reaches, the sparkdl modules it imports directly)."""
+    hits: set[str] = set()
+    direct = sorted(
+        name for name in _imports(test_file, None)
+        if name.split(".")[0] == PACKAGE and _module_file(name) is not None
+    )
+    for name in _imports(test_file, None):
+        top = name.split(".")[0]
+        if top in STACK_PACKAGES:
+            hits.add(top)
+    for name in direct:
+        hits.update(_reach(name))
+    return frozenset(hits), tuple(direct)
+
+
+def left_to_modern(test_file: Path, tier: str) -> str | None:
+    """Why the classic stack may leave this test file to the modern stack, or None if it may not."""
+    if tier != "unit":
+        return None
+    hits, direct = stack_packages_reached(test_file)
+    if hits:
+        return None
+    through = ", ".join(direct) or "no sparkdl module"
+    return f"needs no JVM and reaches none of {', '.join(STACK_PACKAGES)} (imports {through})"
