@@ -69,7 +69,7 @@ _TIER_MARKS = {"unit": ("unit",), "integration": ("spark",), "cluster": ("spark"
 # Modules that share one expensive thing, or look at the whole machine, run on one worker.
 _SHARED_GROUPS = {
     "connect": ("test_connect.py", "test_connect_ml.py", "test_connect_relay.py", "test_cli_connect.py"),
-    "netns": ("test_netns_cluster.py", "test_netns_hosts.py"),
+    "netns": ("test_netns_hosts.py", "test_netns_tool.py"),
 }
 
 
@@ -278,8 +278,9 @@ class _NoJvmGuard:
     def _jvms(self) -> set[int]:
         found = set()
         for proc in self.me.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if proc.name().startswith("java"):
+            with contextlib.suppress(psutil.Error, OSError):
+                # The executable, not the name: a test's fake ``java`` script runs a shell.
+                if os.path.basename(proc.exe()) == "java":
                     found.add(proc.pid)
         return found
 
@@ -626,3 +627,44 @@ def connect_server(_connect_servers: _ConnectServers) -> Any:
     """A Spark Connect server on 127.0.0.1 (``local[2]``), shared by every Connect test of this
     worker (tests/e2e's Connect modules are one xdist group): a JVM start instead of four."""
     return _connect_servers.get()
+
+
+class _NetnsClusters:
+    """The one namespaced cluster of this worker (a master and two workers, tools/netns_cluster.py),
+    healed between tests: a worker a test killed is started again, a stopped cluster anew."""
+
+    def __init__(self) -> None:
+        self.cluster: Any = None
+
+    def get(self) -> Any:
+        import netns_cluster
+
+        if self.cluster is not None and self.cluster.running:
+            for host in self.cluster.hosts:
+                self.cluster.link_up(host)  # a test that cut a link and failed before healing it
+                self.cluster.restart_host(host)
+            return self.cluster
+        self.cluster = netns_cluster.NetnsCluster(2, cores=1, memory="1g", python=sys.executable,
+                                                  start_timeout_s=90, keep=[REPO]).start()
+        return self.cluster
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            left = self.cluster.stop()
+            assert left == [], f"left running by the namespaced cluster: {left}"
+
+
+@pytest.fixture(scope="session")
+def netns_clusters() -> Iterator[_NetnsClusters]:
+    """The namespaced cluster of this worker (root only; skipped elsewhere, saying why), shared by
+    every namespaced-host module (one xdist group): ``netns_clusters.get()`` at a module's start
+    gives it both workers alive, whatever the module before did to them."""
+    import netns_cluster
+
+    if reason := netns_cluster.NetnsCluster.available():
+        pytest.skip(f"no namespaced hosts: {reason}")
+    clusters = _NetnsClusters()
+    try:
+        yield clusters
+    finally:
+        clusters.close()

@@ -8,7 +8,7 @@ are private tmpfs: hosts share neither. Paths under /tmp that hosts need (this r
 venv, Spark, the shared dir, ``keep``) are bound back into each private /tmp. ``cluster.shared``
 (default: a fresh dir under /var/tmp) is seen by every host at the same path, like an NFS mount.
 
-    with NetnsCluster(workers=2) as cluster:  # a test: see tests/cluster/test_netns_cluster.py
+    with NetnsCluster(workers=2) as cluster:  # a test: see tests/cluster/test_netns_tool.py
         subprocess.run([sys.executable, "job.py"], env=cluster.driver_env())  # + driver_conf()
         cluster.link_down(cluster.hosts[0])  # a network partition of worker 0
 
@@ -343,6 +343,30 @@ class NetnsCluster:
             time.sleep(0.1)
             for h in hosts:  # reap the daemons: a zombie is in no namespace any more
                 _ = h.proc and h.proc.poll()
+
+    def restart_host(self, ref: HostRef) -> None:
+        """Starts a worker whose processes were killed (kill_host) again, with a fresh private /tmp,
+        and returns once the master has it ALIVE. A worker that runs is left as it is."""
+        host = self.host(ref)
+        if host is self.master:
+            raise ClusterError("restart_host restarts workers; a cluster without its master is stopped and started anew")
+        if host.proc is not None and host.proc.poll() is None:
+            return
+        # The master refuses a worker at the address of one it still has ALIVE: it drops the old
+        # one when its connection closes, which the kill caused.
+        deadline = time.monotonic() + self.start_timeout_s
+        while host.address in self.alive_workers():
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the master still has {host.role} ({host.address}) ALIVE "
+                                   f"{self.start_timeout_s:g} s after its processes ended")
+            time.sleep(0.25)
+        self._launch(host)
+        self._wait_ready()
+
+    @property
+    def running(self) -> bool:
+        """Whether the cluster was started and not stopped since."""
+        return bool(self._netns)
 
     def stop(self) -> list[int]:
         """Ends every process of every host (and with them the mount namespaces and their mounts),

@@ -16,11 +16,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import netns_cluster as tool
 import pytest
 from conftest import REPO
 
@@ -34,17 +32,8 @@ pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    reason = tool.NetnsCluster.available()
-    if reason:
-        pytest.skip(f"no namespaced hosts: {reason}")
-    c = tool.NetnsCluster(workers=2, cores=1, memory="1g", keep=[ROOT])
-    c.start()
-    try:
-        yield c
-    finally:
-        left = c.stop()
-        assert left == [], f"left running: {left}"
+def cluster(netns_clusters: Any) -> Any:
+    return netns_clusters.get()
 
 
 def _conf(cluster: Any, **extra: str) -> dict[str, str]:

@@ -3,7 +3,8 @@
 The server is pip pyspark 4's own ``SparkConnectServer`` on 127.0.0.1 (tools/connect_server.py),
 ``local[2]``; the command runs as a real subprocess (``python -m sparkdl.cli``), so its session is
 ``SparkSession.builder.remote(url)``: no SparkContext and no JVM in the command's process. The
-classic stack (pyspark 3.5) skips here; the usage errors that need no server are in test_cli.py.
+classic stack (pyspark 3.5) skips here; the usage errors that need no server are in
+tests/unit/cli/test_cli_usage.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Code written for Databricks' HorovodRunner and Spark's TorchDistributor runs unchanged on sparkdl."""
+"""Code written for Databricks' HorovodRunner and Spark's TorchDistributor runs unchanged on sparkdl.
+
+The signatures and the checks that need no session are in tests/unit/test_compat_signatures.py.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import sys
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from typing import Any
 import cloudpickle
 import pytest
 from conftest import REPO
+from resources.horovod_runner_train import hvd_train
 
 import sparkdl
 
@@ -22,26 +25,6 @@ pyspark_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.spark
 SCRIPT = str(REPO / "tests" / "resources" / "td_train_script.py")
-
-
-def hvd_train(lr: float = 0.1) -> dict[str, Any]:
-    # As HorovodRunner's documentation shows it.
-    import horovod.torch as hvd
-    import torch
-
-    hvd.init()
-    torch.manual_seed(1234)
-    model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr * hvd.size())
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    x = torch.ones(4, 3) * (hvd.rank() + 1)
-    for _ in range(5):
-        optimizer.zero_grad()
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-    print(f"hvd rank {hvd.rank()} of {hvd.size()} done")
-    return {"size": hvd.size(), "weight": model.weight.detach().flatten().tolist()}
 
 
 @pytest.mark.parametrize("np", [2, -2])
@@ -55,30 +38,6 @@ def test_horovod_runner_runs_documented_code(spark, capfd, no_leaks, np: int) ->
         # The same code, the same result on the cluster and on the driver.
         local = sparkdl.HorovodRunner(np=-2).run(hvd_train, lr=0.05)
         assert local["weight"] == pytest.approx(out["weight"], abs=1e-6)
-
-
-def test_horovod_runner_refuses_np_zero() -> None:
-    with pytest.raises(sparkdl.ConfigError, match="np must be a non-zero integer"):
-        sparkdl.HorovodRunner(np=0)
-
-
-def test_horovod_runner_signature_and_checks_match_databricks() -> None:
-    # Databricks' HorovodRunner(*, np, driver_log_verbosity="log_callback_only").run(main, **kwargs)
-    init = inspect.signature(sparkdl.HorovodRunner).parameters
-    assert init["np"].kind is inspect.Parameter.KEYWORD_ONLY
-    assert init["driver_log_verbosity"].default == "log_callback_only"
-    run = list(inspect.signature(sparkdl.HorovodRunner.run).parameters.values())
-    assert [(p.name, p.kind) for p in run] == [
-        ("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), ("main", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        ("kwargs", inspect.Parameter.VAR_KEYWORD)]
-    with pytest.raises(TypeError):
-        sparkdl.HorovodRunner(2)  # type: ignore[misc]
-    # Databricks' raises ValueError for an unknown verbosity, and TypeError, before anything
-    # starts, for keyword arguments main cannot take.
-    with pytest.raises(ValueError, match="driver_log_verbosity"):
-        sparkdl.HorovodRunner(np=2, driver_log_verbosity="none")
-    with pytest.raises(TypeError, match="learning_rate"):
-        sparkdl.HorovodRunner(np=-2).run(hvd_train, learning_rate=0.1)
 
 
 def td_train(lr: float, backend: str = "nccl", steps: int = 10) -> list[float]:
@@ -124,18 +83,6 @@ def test_torch_distributor_script_matches_sparks_own(spark, tmp_path, no_leaks, 
     ours, theirs = json.loads(ours_out.read_text()), json.loads(theirs_out.read_text())
     assert ours["world"] == theirs["world"] == 2
     assert ours["w"] == pytest.approx(theirs["w"], abs=1e-7)
-
-
-def test_torch_distributor_signatures_match_sparks() -> None:
-    from pyspark.ml.torch.distributor import TorchDistributor as SparkTD
-
-    def shape(fn: Any, count: int | None = None) -> list[tuple[str, Any, Any]]:
-        params = list(inspect.signature(fn).parameters.values())[:count]
-        return [(p.name, p.kind, p.default) for p in params]
-
-    assert shape(sparkdl.TorchDistributor.run) == shape(SparkTD.run)
-    # Spark's fifth parameter, _ssl_conf, is private.
-    assert shape(sparkdl.TorchDistributor.__init__, 4) == shape(SparkTD.__init__, 4)
 
 
 @pytest.mark.parametrize("local_mode", [False, True])
@@ -197,15 +144,6 @@ def test_torch_distributor_constructor_refuses_like_sparks(  # type: ignore[no-u
         with pytest.raises(raised, match=ours_says) as ours:
             sparkdl.TorchDistributor(**kwargs)
     assert isinstance(ours.value, sparkdl.ConfigError)
-
-
-def test_torch_distributor_use_gpu_without_a_session(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from pyspark.sql import SparkSession
-
-    # Spark's class needs a session to read the GPU confs from (a RuntimeError without one).
-    monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
-    with pytest.raises(RuntimeError, match=r"active SparkSession.*use_gpu=False"):
-        sparkdl.TorchDistributor(num_processes=2, local_mode=False)
 
 
 def fails_on_rank_1() -> None:

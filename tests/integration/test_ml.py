@@ -1,6 +1,7 @@
 """TorchEstimator / TorchModel on a real local[2] Spark session: a Pipeline on scikit-learn's digits,
 persistence alone and in a PipelineModel, bad input refused before training, vectorized scoring
-that loads the model once per Python worker, gang rerun and resume of fit."""
+that loads the model once per Python worker, gang rerun and resume of fit. Bad params, refused
+without a JVM, are in tests/unit/ml/test_ml_params.py."""
 
 from __future__ import annotations
 
@@ -212,17 +213,6 @@ def test_bad_input_fails_before_training(spark, tmp_path, case):  # type: ignore
     assert not os.path.exists(marker), "a rank started training"
     assert not checkpoints.exists()
     assert elapsed < 20, f"the check took {elapsed:.1f} s"
-
-
-def test_bad_params_are_refused_at_once() -> None:
-    with pytest.raises(ConfigError, match="validationFraction"):
-        TorchEstimator(validationFraction=1.0)
-    with pytest.raises(ConfigError, match="loss='hinge'"):
-        TorchEstimator(loss="hinge")
-    with pytest.raises(ConfigError, match="backend='horovod'"):
-        TorchEstimator(backend="horovod")
-    with pytest.raises(ConfigError, match="needs a model"):
-        TorchEstimator().fit(None)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,26 +4,25 @@ Each test points the temp dir at a fresh directory of its own (``tempfile.tempdi
 resolves its defaults in the driver, this process), made like /tmp (mode 1777) so that a second
 user can create in it too. Runs and the dataset cache go through the public entry points on the
 shared local[2] session; a directory that is not private is refused before anything is read from
-or written into it, with a ConfigError that names it and the setting that moves it.
+or written into it, with a ConfigError that names it and the setting that moves it. What needs
+no Spark session (the metrics of a remote run, a run directory the user set, ranks on the
+driver) is in tests/unit/test_private_dirs.py.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import stat
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import pytest
+from resources import private_dirs
+from resources.private_dirs import RUN_DIR_CONF, assert_private, returns_one
 
 import sparkdl
 from sparkdl.data import CACHE_DIR_CONF
-from sparkdl.driver.cluster import local_metrics_path, run_dir
 
 # The rank functions below travel by value, as a notebook's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -33,18 +32,9 @@ FAST = sparkdl.RunConfig(
     start_timeout_s=60, slot_wait_s=2, connect_timeout_s=20, kill_grace_s=20, timeout_s=90,
     prewarm=False, init_process_group=False,
 )
-RUN_DIR_CONF = "spark.sparkdl.runDir"
 
-
-@pytest.fixture
-def temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A fresh temp dir (mode 1777, like /tmp) that sparkdl's defaults go under for this test."""
-    path = Path(tempfile.mkdtemp(prefix="sparkdl-test-private-"))
-    path.chmod(0o1777)
-    # tempfile caches the temp dir it found: patch the cache, not TMPDIR.
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+# The fixture, shared with tests/unit/test_private_dirs.py.
+temp_dir = private_dirs.temp_dir
 
 
 @pytest.fixture
@@ -54,20 +44,9 @@ def no_cache_conf(spark: Any) -> Any:
     return spark
 
 
-def assert_private(path: Path) -> None:
-    info = path.lstat()
-    assert stat.S_ISDIR(info.st_mode), path
-    assert stat.S_IMODE(info.st_mode) == 0o700, f"{path}: mode {stat.S_IMODE(info.st_mode):o}"
-    assert info.st_uid == os.getuid(), path
-
-
 def saves_a_checkpoint() -> int:
     sparkdl.context().save_checkpoint({"step": 1})
     return sparkdl.context().rank
-
-
-def returns_one() -> int:
-    return 1
 
 
 # --- what is created ---------------------------------------------------------------------------
@@ -93,13 +72,6 @@ def test_the_default_dataset_cache_is_a_private_directory(no_cache_conf: Any, te
     assert_private(mine)
     assert_private(mine / "cache")
     assert ds.url.startswith(f"file://{mine}/cache/") and ds.num_rows == 8
-
-
-def test_metrics_of_a_run_on_remote_storage_go_to_the_private_directory(temp_dir: Path) -> None:
-    path = local_metrics_path("hdfs://nn:8020/runs/abc", "abc")
-    mine = temp_dir / f"sparkdl-{os.getuid()}"
-    assert path == mine / "runs" / "abc" / "metrics.jsonl"
-    assert_private(mine / "runs")
 
 
 # --- what is refused ---------------------------------------------------------------------------
@@ -146,25 +118,6 @@ def test_a_world_writable_cache_directory_is_refused_but_a_chosen_one_is_used(no
     finally:
         no_cache_conf.conf.unset(CACHE_DIR_CONF)
     assert ds.url.startswith(f"file://{mine}/cache/") and ds.num_rows == 4
-
-
-def test_processes_on_the_driver_refuse_a_world_writable_default_root(temp_dir: Path) -> None:
-    mine = temp_dir / f"sparkdl-{os.getuid()}"
-    mine.mkdir()
-    mine.chmod(0o777)
-    with pytest.raises(sparkdl.ConfigError) as exc:
-        sparkdl.TorchDistributor(num_processes=1, local_mode=True, use_gpu=False).run(returns_one)
-    assert str(mine) in str(exc.value) and "TMPDIR" in str(exc.value)
-    assert list(mine.iterdir()) == []
-
-
-def test_a_run_dir_the_user_set_is_used_as_given(temp_dir: Path) -> None:
-    chosen = temp_dir / "shared-runs"
-    chosen.mkdir()
-    chosen.chmod(0o777)  # not private, but chosen: sparkdl does not second-guess it
-    assert run_dir({RUN_DIR_CONF: f"{chosen}/"}, "abc") == f"{chosen}/abc"
-    assert run_dir({RUN_DIR_CONF: "hdfs://nn:8020/runs"}, "abc") == "hdfs://nn:8020/runs/abc"
-    assert not (temp_dir / f"sparkdl-{os.getuid()}").exists()  # the default was not even made
 
 
 # --- another user on the same host -------------------------------------------------------------

@@ -4,7 +4,8 @@ The attacks run for real: a throwaway Unix account (the ``other_user`` fixture; 
 printed reason where the session cannot create one) binds the zygote's address before a run, or
 connects to a live zygote and asks it to fork; a process of the same user without the
 executor's key tries the same. Each test asserts the run's result, that the attacker received
-nothing and started nothing, and that nothing was left running.
+nothing and started nothing, and that nothing was left running. The zygote's handshake and key
+file, which need no Spark and no other user, are in tests/unit/task/test_zygote_tenant.py.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import cloudpickle
 import psutil
 import pytest
 from conftest import owned
+from resources import zygotes
 
 import sparkdl
-from sparkdl.private import secret_file
-from sparkdl.task.spawn import NONCE_BYTES, Zygote, ZygoteError, proof
+from sparkdl.task.spawn import Zygote
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -154,32 +155,8 @@ def test_another_user_holding_the_zygote_address_gets_nothing_and_the_run_succee
     assert sparkdl.run(_parent_name, num_workers=2, config=FAST) == "sparkdl-zygote"
 
 
-@pytest.fixture
-def zygote(tmp_path: Path) -> Any:
-    """A real zygote with a known key, tied to this test process; ended after the test."""
-    key = secrets.token_bytes(32)
-    address = f"sparkdl-test-{secrets.token_hex(8)}"
-    proc = subprocess.Popen([sys.executable, "-m", "sparkdl.task.zygote", address, str(os.getpid())],
-                            stdin=subprocess.PIPE, start_new_session=True)
-    assert proc.stdin is not None
-    proc.stdin.write(key.hex().encode() + b"\n")
-    proc.stdin.close()
-    deadline = time.monotonic() + 30
-    while True:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            probe.connect("\0" + address)
-            break
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "the zygote did not listen"
-            time.sleep(0.05)
-        finally:
-            probe.close()
-    try:
-        yield address, key, proc
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+# The fixture, shared with tests/unit/task/test_zygote_tenant.py.
+zygote = zygotes.zygote
 
 
 def test_neither_another_user_nor_a_keyless_process_of_this_user_can_have_the_zygote_fork(
@@ -205,52 +182,6 @@ def test_neither_another_user_nor_a_keyless_process_of_this_user_can_have_the_zy
     z = Zygote(sock, key, timeout_s=10)
     assert z.alive()
     z.close()
-
-
-def test_a_silent_connection_is_dropped_after_the_handshake_deadline(zygote: Any) -> None:
-    address, _, _ = zygote
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.connect("\0" + address)
-    sock.settimeout(15)
-    started = time.monotonic()
-    assert sock.recv(4096) == b""
-    assert time.monotonic() - started < 10
-    sock.close()
-
-
-def test_a_task_sends_nothing_but_a_nonce_to_an_address_held_without_the_key(tmp_path: Path) -> None:
-    # A process of this very user listens at the zygote's address but cannot prove the key.
-    address = f"sparkdl-test-{secrets.token_hex(8)}"
-    fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    fake.bind("\0" + address)
-    fake.listen(1)
-    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    client.connect("\0" + address)
-    server, _ = fake.accept()
-    server.settimeout(10)
-    with fake, server:
-        import threading
-
-        received: list[bytes] = []
-
-        def answer() -> None:
-            hello = server.recv(4096)
-            received.append(hello)
-            nonce = secrets.token_bytes(NONCE_BYTES)
-            wrong = proof(secrets.token_bytes(32), b"zygote", bytes.fromhex(json.loads(hello)["hello"]), nonce)
-            server.send(json.dumps({"nonce": nonce.hex(), "proof": wrong.hex()}).encode())
-            try:
-                while data := server.recv(4096):
-                    received.append(data)
-            except OSError:
-                pass
-
-        thread = threading.Thread(target=answer, daemon=True)
-        thread.start()
-        with pytest.raises(ZygoteError, match="did not prove"):
-            Zygote(client, secrets.token_bytes(32), timeout_s=10)
-        thread.join(timeout=10)
-    assert len(received) == 1 and set(json.loads(received[0])) == {"hello"}, received
 
 
 def _start_a_daemon(pid_file: str, then: str) -> int:
@@ -322,16 +253,6 @@ def _gather_descriptors() -> list[list[str]]:
     gathered = [torch.zeros(16, dtype=torch.long) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, row)
     return [[str(int(v)) for v in g if v >= 0] for g in gathered]
-
-
-def test_the_zygote_key_file_is_private_and_a_shared_one_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "k.key"
-    key = secret_file(path)
-    assert len(key) == 32 and secret_file(path) == key
-    assert path.stat().st_mode & 0o777 == 0o600
-    path.chmod(0o644)
-    with pytest.raises(sparkdl.ConfigError, match="not a private"):
-        secret_file(path)
 
 
 LOCAL_SESSION_OFF_LOOPBACK = textwrap.dedent("""

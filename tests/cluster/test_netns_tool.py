@@ -1,7 +1,8 @@
 """tools/netns_cluster.py: a Spark standalone cluster whose hosts are network and mount namespaces.
 
 One cluster (a master and two workers, each a host of its own on a private /24 behind a bridge)
-serves the whole module. A driver program in the root namespace, bound on the bridge, runs a
+serves the whole module; it is the one the namespaced-host tests share (the ``netns_clusters``
+fixture), with both workers alive at the module's start. A driver program in the root namespace, bound on the bridge, runs a
 two-task barrier job: the tasks must run on the two hosts' addresses, see only their own host's
 /tmp and every host's writes to the shared dir. Then a host is partitioned and healed, another is
 killed, and stop() must leave no namespace, link, mount, process or directory behind.
@@ -14,8 +15,8 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import netns_cluster
 import psutil
@@ -25,8 +26,6 @@ from conftest import REPO
 ROOT = REPO
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
-
-NOT_HERE = netns_cluster.NetnsCluster.available()
 
 DRIVER = r"""
 import json, os, socket, sys
@@ -69,15 +68,9 @@ CONNECT = (
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[netns_cluster.NetnsCluster]:
-    if NOT_HERE:
-        pytest.skip(f"cannot build a namespace cluster here: {NOT_HERE}")
-    c = netns_cluster.NetnsCluster(2, cores=1, memory="1g", python=sys.executable, start_timeout_s=90)
-    c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
+def cluster(netns_clusters: Any) -> netns_cluster.NetnsCluster:
+    c: netns_cluster.NetnsCluster = netns_clusters.get()
+    return c
 
 
 def start_in(cluster: netns_cluster.NetnsCluster, host: netns_cluster.Host) -> subprocess.Popen[bytes]:
@@ -210,6 +203,10 @@ def test_kill_host_kills_every_process_of_the_host(cluster: netns_cluster.NetnsC
     while cluster.alive_workers() != {survivor.address} and time.monotonic() < deadline:
         time.sleep(0.5)
     assert cluster.alive_workers() == {survivor.address}
+    # restart_host brings it back, as the shared fixture does for the next module.
+    cluster.restart_host(victim)
+    assert cluster.alive_workers() == {h.address for h in cluster.hosts}
+    assert victim.proc is not None and victim.proc.pid in cluster.pids(victim)
 
 
 def test_stop_leaves_nothing_behind(cluster: netns_cluster.NetnsCluster) -> None:

@@ -1,0 +1,61 @@
+"""A checkpoint write killed midway: ``CheckpointStore.save`` writes to a temporary file and
+commits by rename, so a process killed with SIGKILL while its bytes are going out leaves the
+previous checkpoint the latest, and the next save commits after it and removes the partial file.
+A real writer process, no Spark; the runs that crash mid-save and resume are in
+tests/integration/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import sparkdl
+
+pytestmark = pytest.mark.fault
+
+
+_WRITER = """
+import sys, torch
+from sparkdl.train.store import CheckpointStore
+store = CheckpointStore(sys.argv[1])
+store.save({"global_step": 1, "w": torch.zeros(10)})
+print("first", flush=True)
+store.save({"global_step": 2, "w": torch.randn(int(sys.argv[2]))})
+"""
+
+
+def test_sigkill_while_the_file_is_being_written_leaves_the_previous_checkpoint(tmp_path) -> None:
+    """The same guarantee at the file level: a real process killed while its bytes are going out."""
+    ckpt = tmp_path / "ckpt"
+    for size in (50_000_000, 150_000_000, 300_000_000):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(ckpt), str(size)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "first"
+            deadline = time.monotonic() + 60
+            caught = False
+            while proc.poll() is None and time.monotonic() < deadline:
+                tmps = list(ckpt.glob(".tmp-ckpt-*"))
+                if tmps and tmps[0].stat().st_size > 0:
+                    proc.send_signal(signal.SIGKILL)
+                    caught = True
+                    break
+                time.sleep(0.001)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        store = sparkdl.CheckpointStore(str(ckpt))
+        if caught:
+            assert store.sequence_numbers() == [1]
+            assert store.load()["global_step"] == 1
+            assert list(ckpt.glob(".tmp-ckpt-*")), "expected the partial file of the killed write"
+            store.save({"global_step": 2})
+            assert store.sequence_numbers() == [1, 2] and not list(ckpt.glob(".tmp-ckpt-*"))
+            return
+        for path in ckpt.iterdir():
+            path.unlink()
+    pytest.fail("the write always finished before it could be killed; raise the sizes")
