@@ -177,6 +177,7 @@ def _group_of(item: pytest.Item, tier: str) -> str:
     return "" if tier == "unit" else str(Path(str(item.fspath)).relative_to(TESTS))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the xdist_group markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers = {}
     for item in items:
