@@ -624,10 +624,14 @@ def _connect_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Conn
 
 
 @pytest.fixture
-def connect_server(_connect_servers: _ConnectServers) -> Any:
-    """A Spark Connect server on 127.0.0.1 (``local[2]``), shared by every Connect test of this
-    worker (tests/e2e's Connect modules are one xdist group): a JVM start instead of four."""
-    return _connect_servers.get()
+def connect_server(request: pytest.FixtureRequest, _connect_servers: _ConnectServers) -> Iterator[Any]:
+    """A Spark Connect server on 127.0.0.1 (``local[2]``), shared by the Connect tests of this
+    worker (tests/e2e's Connect modules are one xdist group). A test marked
+    ``spoils_connect_server(reason)`` leaves it unfit for the next (its slots busy, say): the
+    server is stopped after it, and the next test that asks for one gets a new one."""
+    yield _connect_servers.get()
+    if request.node.get_closest_marker("spoils_connect_server"):
+        _connect_servers.close()
 
 
 class _NetnsClusters:
