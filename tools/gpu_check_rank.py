@@ -149,6 +149,13 @@ def check_train_state(ctx: Any, opts: dict[str, Any]) -> str:
         opt.step()
     gen.close()
     loader.close()
+    # The checkpoint holds rank 0's model: every rank compares what it restores with rank 0's
+    # weights at step 4. A rank's own replica is not bitwise the same in every run: once here
+    # (2026-11-25, Adam on 2 CPU ranks) rank 1's step-4 weights differed from the checkpoint that
+    # rank 0's matched.
+    held = [saved]
+    dist.broadcast_object_list(held, src=0)
+    saved = held[0]
     steps = len(loader)
     expected = list(ds.loader(64, seed=1, device="cpu"))
     model, opt, loader = fresh(1)
