@@ -236,7 +236,11 @@ _RESTARTS = pytest.StashKey[list[str]]()
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     seen: set[Any] = set()
-    restarts = [f"{master} {dict(conf)}" for master, conf in _started if (master, conf) in seen or seen.add((master, conf))]
+    restarts = []
+    for key in _started:
+        if key in seen:
+            restarts.append(f"{key[0]} {dict(key[1])}")
+        seen.add(key)
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["sparkdl_restarts"] = restarts
     else:
