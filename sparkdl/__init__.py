@@ -6,6 +6,7 @@ from sparkdl._version import __version__ as __version__
 from sparkdl.compat import HorovodRunner, TorchDistributor
 from sparkdl.config import RunConfig
 from sparkdl.data import Dataset, write_dataset
+from sparkdl.data.images import ImageDecoder
 from sparkdl.driver.result import RunResult
 from sparkdl.driver.run import launch, run
 from sparkdl.errors import (
@@ -32,6 +33,7 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "HorovodRunner",
+    "ImageDecoder",
     "InsufficientSlotsError",
     "NotInRunError",
     "RunConfig",

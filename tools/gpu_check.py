@@ -14,7 +14,8 @@ Either way a first launch gives two ranks fake addresses (``1000`` and ``1001,10
 GPU answers to, to check the environment they produce.
 
 The rank side is :func:`rank_checks` and ``gpu_check_rank.py``; the data-wait figures come from
-``benchmarks/bench_gpu_feed.py`` (both on ``PYTHONPATH``, as ``tools/gpu-check`` sets it).
+``benchmarks/bench_gpu_feed.py``; the image checks (nvJPEG) are ``gpu_check_images.py`` (all on
+``PYTHONPATH``, as ``tools/gpu-check`` sets it).
 """
 
 from __future__ import annotations
@@ -299,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             results += _launch(gpu_check.rank_checks, (opts,), n, addresses[:n] if cuda else None, timeout_s)
         except Exception as exc:
             results.append(("FAIL", f"the launch of {n} ranks", f"{type(exc).__name__}: {exc}"))
+        from gpu_check_images import image_checks
+
+        results += image_checks(cuda, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results += _check_scoring(cuda)

@@ -8,6 +8,10 @@ rank):
 - :mod:`~sparkdl.data.scan`: a path's manifest, read or built from the Parquet footers;
 - :mod:`~sparkdl.data.files`: the files a loader reads, and the row-group reader;
 - :mod:`~sparkdl.data.plan`: each rank's share of every epoch, from the manifest alone;
+- :mod:`~sparkdl.data.images`: :class:`ImageDecoder`, images decoded and augmented per sample
+  (Pillow, or nvJPEG on a GPU);
+- :mod:`~sparkdl.data.samples`: per-sample functions (``decode=``) on worker threads or
+  processes, each sample's randomness from its row;
 - :mod:`~sparkdl.data.read`: windows of rows read with pyarrow, cut into batches of tensors;
 - :mod:`~sparkdl.data.petastorm`: the same batches read by Petastorm (the classic stack);
 - :mod:`~sparkdl.data.prefetch`: batches prepared ahead in a background thread;

@@ -116,6 +116,10 @@ class Dataset(ParquetFiles):
         pin_memory: bool | None = None,
         petastorm_workers: int = 2,
         to_device: bool = False,
+        decode: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+        decode_workers: int | None = None,
+        decode_in: str = "threads",
+        on_bad_sample: str = "raise",
     ) -> Loader:
         """This rank's loader: an iterable of ``{column: tensor}`` batches, the same count on every rank.
 
@@ -156,6 +160,17 @@ class Dataset(ParquetFiles):
                 earlier steps compute, up to ``prefetch`` batches ahead (they wait on the GPU), and
                 the batch is ready for the training thread's current stream when handed out.
                 ``False`` (the default): CPU tensors, moved by the training loop.
+            decode: per-sample functions by column, ``fn(value, rng) -> array``, such as
+                :class:`sparkdl.ImageDecoder`; each column's outputs are stacked into one
+                tensor. ``rng`` depends on ``(seed, epoch, row)`` alone, so augmentations are
+                the same with any number of workers and after a resume
+                (:mod:`sparkdl.data.samples`).
+            decode_workers: workers running ``decode`` (default: one per core).
+            decode_in: ``"threads"`` (functions that release the GIL, like Pillow's decoding)
+                or ``"processes"`` (forked when the loader is made).
+            on_bad_sample: ``"raise"`` (a ``decode`` function's error stops the loader, naming
+                the row and column) or ``"skip"`` (the row is left out of its batch and counted
+                in ``loader.skipped``).
         """
         # Imported here: the loader brings numpy and pyarrow, which ``import sparkdl`` must not.
         from sparkdl.data.loader import Loader
@@ -178,6 +193,10 @@ class Dataset(ParquetFiles):
             pin_memory=pin_memory,
             petastorm_workers=petastorm_workers,
             to_device=to_device,
+            decode=decode,
+            decode_workers=decode_workers,
+            decode_in=decode_in,
+            on_bad_sample=on_bad_sample,
         )
 
 

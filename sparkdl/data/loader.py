@@ -70,6 +70,7 @@ from sparkdl.data.plan import EpochPlan
 from sparkdl.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
 from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker, Spares
 from sparkdl.data.reshard import STATE_VERSION, Resume, epoch_batches, restore
+from sparkdl.data.samples import SampleFn, SampleMap, check_decode, default_workers
 from sparkdl.errors import ConfigError, NotInRunError
 
 
@@ -131,6 +132,10 @@ class Loader:
         pin_memory: bool | None = None,
         petastorm_workers: int = 2,
         to_device: bool = False,
+        decode: Mapping[str, SampleFn] | None = None,
+        decode_workers: int | None = None,
+        decode_in: str = "threads",
+        on_bad_sample: str = "raise",
     ) -> None:
         _check_int("batch_size", batch_size, 1)
         _check_int("epoch", epoch, 0)
@@ -143,8 +148,17 @@ class Loader:
             raise ConfigError(f"reader={reader!r}: choose 'arrow' (sparkdl's reader) or 'petastorm'")
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable (batch dict -> batch dict); got {type(transform).__name__}")
+        fns = check_decode(decode, decode_workers, decode_in, on_bad_sample)
+        if fns and reader != "arrow":
+            raise ConfigError(
+                f"decode={{{', '.join(map(repr, fns))}: ...}} needs reader='arrow' (each sample's randomness "
+                "comes from its row in the dataset, which Petastorm's reader does not tell)"
+            )
         rank, world_size = _resolve_rank(rank, world_size)
-        selected = _select_columns(dataset.manifest, columns)
+        selected = _select_columns(dataset.manifest, columns, set(fns))
+        on_gpu = [getattr(f, "device", None) for f in fns.values() if getattr(f, "on_gpu", False)]
+        if device is None and on_gpu:
+            device = on_gpu[0]  # batches decoded on a GPU are for that GPU
         target, pin = device_and_pin(device, pin_memory, to_device, _run_device)
         self._plan = EpochPlan(
             dataset.manifest,
@@ -164,8 +178,12 @@ class Loader:
         self._reader = reader
         # What the reader thread needs, and nothing that refers back to this loader, so that
         # dropping the loader stops its thread.
-        self._reading = (dataset, self._plan, BatchMaker(selected, pin, transform), self._spares, reader,
-                         petastorm_workers, prefetch > 0)
+        self._samples = SampleMap(
+            fns, seed=seed, workers=decode_workers or default_workers(), worker_kind=decode_in,
+            on_bad_sample=on_bad_sample, where=functools.partial(_place, dataset.manifest),
+        ) if fns else None
+        self._reading = (dataset, self._plan, BatchMaker(selected, pin, transform, self._samples), self._spares,
+                         reader, petastorm_workers, prefetch > 0)
         self._resume: Resume | None = None  # the rest of a resharded epoch, while in it
         self._source = functools.partial(epoch_batches, *self._reading, None)
         self._prefetch = prefetch
@@ -211,6 +229,11 @@ class Loader:
     def rows_per_rank(self) -> int:
         """Rows each rank sees per epoch (repeats included, dropped rows excluded)."""
         return self._plan.per_rank
+
+    @property
+    def skipped(self) -> int:
+        """Bad samples left out so far (``on_bad_sample="skip"``), all epochs together."""
+        return self._samples.skipped.count if self._samples is not None else 0
 
     @property
     def shuffle_window(self) -> int:
@@ -284,6 +307,8 @@ class Loader:
         self._close_active()
         self._stop_pump()
         self._spares.clear()
+        if self._samples is not None:
+            self._samples.close()
 
     def __enter__(self) -> Loader:
         return self
@@ -331,7 +356,7 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{name}={value!r}: give an integer >= {minimum}")
 
 
-def _select_columns(manifest: Manifest, columns: Sequence[str] | None) -> tuple[ColumnSpec, ...]:
+def _select_columns(manifest: Manifest, columns: Sequence[str] | None, decoded: set[str]) -> tuple[ColumnSpec, ...]:
     if isinstance(columns, str):
         columns = [columns]
     names = list(columns) if columns is not None else [c.name for c in manifest.columns]
@@ -344,7 +369,12 @@ def _select_columns(manifest: Manifest, columns: Sequence[str] | None) -> tuple[
     if len(set(names)) != len(names):
         raise ConfigError(f"columns={names} names a column twice")
     specs = tuple(manifest.column(n) for n in names)
-    bad = [f"{c.name!r} ({c.dtype})" for c in specs if c.kind == UNSUPPORTED]
+    undecoded = decoded - set(names)
+    if undecoded:
+        raise ConfigError(
+            f"decode names {sorted(undecoded)}, which columns={names} leaves out; add them to columns, or leave columns out"
+        )
+    bad = [f"{c.name!r} ({c.dtype})" for c in specs if c.kind == UNSUPPORTED and c.name not in decoded]
     if bad:
         feedable = [c.name for c in manifest.columns if c.kind != UNSUPPORTED]
         raise ConfigError(
@@ -358,6 +388,16 @@ def _select_columns(manifest: Manifest, columns: Sequence[str] | None) -> tuple[
                 "and the dataset has a column of that name too; leave one of them out with columns=[...]"
             )
     return specs
+
+
+def _place(manifest: Manifest, row: int) -> str:
+    """Where row ``row`` of the dataset is: its Parquet file and its row there."""
+    for f in manifest.files:
+        n = sum(f.row_groups)
+        if row < n:
+            return f"row {row} of {f.path or 'the file'}"
+        row -= n
+    return "past the last file"
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -103,7 +103,7 @@ def petastorm_batches(
             if step >= start_step:
                 builder = WindowBuilder(columns, sizes[step], f"in {redact(url)} (petastorm)")
                 builder.add(data, sizes[step])
-                yield make(builder.finish(), slice(0, sizes[step]))
+                yield make(builder.finish(), slice(0, sizes[step]), epoch)
 
 
 def _petastorm_make_batch_reader() -> Callable[..., Any]:

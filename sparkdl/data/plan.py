@@ -47,6 +47,7 @@ class EpochPlan:
         self.rg_file = np.array([i for i, f in enumerate(manifest.files) for _ in f.row_groups], dtype=np.int64)
         self.rg_index = np.array([j for f in manifest.files for j in range(len(f.row_groups))], dtype=np.int64)
         self.rg_rows = np.array([n for f in manifest.files for n in f.row_groups], dtype=np.int64)
+        self.rg_start = np.cumsum(self.rg_rows) - self.rg_rows  # each row group's first row in the dataset
         total = int(self.rg_rows.sum())
         if total == 0:
             raise DatasetError(f"{redact(url)} has no rows; write some data into it first")

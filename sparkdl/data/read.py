@@ -8,6 +8,8 @@ Arrow until a batch is cut from them. The output format is described in
 
 from __future__ import annotations
 
+import collections
+import functools
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,8 +21,9 @@ import pyarrow as pa
 
 from sparkdl.data.arrow import list_lengths, list_values, to_numpy
 from sparkdl.data.files import ParquetFiles, RowGroupReader
-from sparkdl.data.manifest import ARRAY, BINARY, SCALAR, STRING, ColumnSpec
+from sparkdl.data.manifest import ARRAY, SCALAR, ColumnSpec
 from sparkdl.data.plan import EpochPlan, pieces
+from sparkdl.data.samples import SampleMap
 from sparkdl.errors import DatasetError
 from sparkdl.storage import redact
 
@@ -40,9 +43,14 @@ Selection: TypeAlias = slice | np.ndarray
 """The rows of a window that make one batch: a range, or positions."""
 
 
+ROWS = "\x00rows"
+"""The window column of each row's place in the dataset (kept only when samples are decoded)."""
+
+
 @dataclass(frozen=True)
 class BatchMaker:
-    """How batches come out: which columns, pinned or not, and the user's ``transform``.
+    """How batches come out: which columns, pinned or not, the per-sample ``samples`` functions
+    (``decode=``) and the user's ``transform``.
 
     It holds nothing that refers back to a loader, so the reader thread that uses it does not
     keep a dropped loader alive.
@@ -51,11 +59,45 @@ class BatchMaker:
     columns: tuple[ColumnSpec, ...]
     pin: bool
     transform: Callable[[Batch], Batch] | None
+    samples: SampleMap | None = None
 
-    def __call__(self, window: Window, sel: Selection) -> Batch:
-        """The batch of rows ``sel`` of ``window``, transformed."""
-        batch = _make_batch(self.columns, window, sel, self.pin)
+    @property
+    def ahead(self) -> int:
+        """Batches to start before the first is taken (decoding runs on workers meanwhile)."""
+        return self.samples.AHEAD if self.samples is not None else 0
+
+    def start(self, window: Window, sel: Selection, epoch: int) -> Callable[[], Batch]:
+        """Starts the batch of rows ``sel`` of ``window``; calling what it returns gives the batch,
+        decoded and transformed. The window may be reused once this returns."""
+        batch = _make_batch(self.columns, window, sel, self.pin and self.samples is None)
+        if self.samples is None:
+            return functools.partial(self._finish, batch)
+        pending = self.samples.start(batch, np.asarray(window[ROWS][sel]), epoch)
+        return lambda: self._finish(pending.result(), pinned=not self.pin)
+
+    def __call__(self, window: Window, sel: Selection, epoch: int) -> Batch:
+        """The batch of rows ``sel`` of ``window``, decoded and transformed."""
+        return self.start(window, sel, epoch)()
+
+    def _finish(self, batch: Batch, pinned: bool = True) -> Batch:
+        if not pinned:
+            _pin(batch)
         return self.transform(batch) if self.transform is not None else batch
+
+
+def in_turn(started: Iterator[Callable[[], T]], ahead: int) -> Iterator[T]:
+    """The results of ``started`` batches in order, with up to ``ahead`` more started meanwhile."""
+    if ahead <= 0:
+        for s in started:
+            yield s()
+        return
+    waiting: collections.deque[Callable[[], T]] = collections.deque()
+    for s in started:
+        waiting.append(s)
+        if len(waiting) > ahead:
+            yield waiting.popleft()()
+    while waiting:
+        yield waiting.popleft()()
 
 
 def arrow_batches(
@@ -89,34 +131,44 @@ def arrow_batches(
     def read(k: int) -> Window:
         lo, hi = k * unit, min((k + 1) * unit, per_rank)
         share = pieces(plan.rg_rows, order, base + lo, hi - lo)
-        return read_window(reader, columns, share, WindowBuilder(columns, hi - lo, location(files, plan, share), spare))
+        return read_window(reader, columns, share, WindowBuilder(columns, hi - lo, location(files, plan, share), spare),
+                           plan.rg_start if make.samples is not None else None)
 
     windows = read_in_turn(read, units, read_ahead=read_ahead)
-    try:
+
+    def started() -> Iterator[Callable[[], Batch]]:
         for k, data in zip(units, windows, strict=True):
             n = min((k + 1) * unit, per_rank) - k * unit
             perm = plan.window_permutation(epoch, k, n) if plan.shuffle else None
             s = max(first - k * unit, 0)
             while s < n:
                 e = min(s + b, n)
-                yield make(data, perm[s:e] if perm is not None else slice(s, e))
+                yield make.start(data, perm[s:e] if perm is not None else slice(s, e), epoch)
                 s = e
             if spare is not None:
                 spare.give(data)
             del data, perm
+
+    try:
+        yield from in_turn(started(), make.ahead)
     finally:
         windows.close()
 
 
 def read_window(reader: RowGroupReader, columns: Sequence[ColumnSpec], share: Sequence[tuple[int, int, int]],
-                builder: WindowBuilder) -> Window:
+                builder: WindowBuilder, rg_start: np.ndarray | None = None) -> Window:
     """The rows of the ``(row group, start, stop)`` pieces ``share``, in order, as one window:
-    one row group's Arrow data alive at a time."""
+    one row group's Arrow data alive at a time. With ``rg_start`` (each row group's first row in
+    the dataset), the window also holds each row's place in the dataset, as ``ROWS``."""
     for g, a, z in share:
         part = reader.row_group(g).slice(a, z - a)
         builder.add({c.name: part.column(c.name).chunks for c in columns}, z - a)
         del part
-    return builder.finish()
+    window = builder.finish()
+    if rg_start is not None:
+        window[ROWS] = np.concatenate([np.arange(rg_start[g] + a, rg_start[g] + z, dtype=np.int64)
+                                       for g, a, z in share] or [np.empty(0, np.int64)])
+    return window
 
 
 def read_in_turn(read: Callable[[int], T], keys: Sequence[int], *, read_ahead: bool) -> Generator[T, None, None]:
@@ -373,11 +425,17 @@ def _make_batch(columns: Sequence[ColumnSpec], window: Window, sel: Selection, p
             values, lengths = _padded(part, c.dtype)
             batch[c.name] = torch.from_numpy(values)
             batch[c.name + LENGTHS_SUFFIX] = torch.from_numpy(lengths)
-        elif c.kind in (BINARY, STRING):
+        else:  # binary, strings; structs and the like when a decode function takes them
             batch[c.name] = part.to_pylist()
     if pin:
-        for k, v in batch.items():
-            if isinstance(v, torch.Tensor):
-                batch[k] = v.pin_memory()
+        _pin(batch)
     return batch
+
+
+def _pin(batch: Batch) -> None:
+    import torch
+
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+            batch[k] = v.pin_memory()
 

@@ -18,7 +18,7 @@ stream ranges that cover its rows, and cut into batches in the order of the posi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from sparkdl.data.read import (
     Window,
     WindowBuilder,
     arrow_batches,
+    in_turn,
     location,
     read_in_turn,
     read_window,
@@ -139,18 +140,24 @@ class Resume:
             share = [piece for lo, hi in zip(starts.tolist(), stops.tolist(), strict=True)
                      for piece in pieces(plan.rg_rows, order, lo, hi - lo, bounds)]
             window = read_window(reader, make.columns, share,
-                                 WindowBuilder(make.columns, int((stops - starts).sum()), location(files, plan, share)))
+                                 WindowBuilder(make.columns, int((stops - starts).sum()), location(files, plan, share)),
+                                 plan.rg_start if make.samples is not None else None)
             offsets = np.cumsum(stops - starts) - (stops - starts)
             j = np.searchsorted(starts, part, side="right") - 1
             return window, offsets[j] + part - starts[j]
 
         units = range(-(-len(wanted) // unit))
         windows = read_in_turn(read, units, read_ahead=read_ahead)
-        try:
+        epoch = self.epoch
+
+        def started() -> Iterator[Callable[[], Batch]]:
             for data, rows in windows:
                 for s in range(0, len(rows), b):
-                    yield make(data, rows[s : s + b])
+                    yield make.start(data, rows[s : s + b], epoch)
                 del data, rows
+
+        try:
+            yield from in_turn(started(), make.ahead)
         finally:
             windows.close()
 
