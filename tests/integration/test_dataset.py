@@ -209,15 +209,26 @@ def _mtimes(ds: Dataset) -> dict[str, int]:
 def test_unsupported_types_are_named_with_their_types(spark: Any, tmp_path: Path) -> None:
     df = spark.sql(
         "select 1L as ok, current_timestamp() as ts, map('a', 1) as m, cast(1.5 as decimal(10,2)) as dec, "
-        "array('x') as words"
+        "array('x') as words, current_date() as day, named_struct('a', 1) as st"
     )
     with pytest.raises(ConfigError) as info:
         sparkdl.write_dataset(df, tmp_path / "out")
     message = str(info.value)
-    for part in ("'ts' (timestamp)", "'m' (map<string,int>)", "'dec' (decimal(10,2))", "'words' (array<string>)"):
+    for part in ("'m' (map<string,int>)", "'dec' (decimal(10,2))", "'words' (array<string>)", "'day' (date)",
+                 "'st' (struct<a:int>)"):
         assert part in message
-    assert "'ok'" not in message and "cast" in message
+    assert "'ok'" not in message and "'ts'" not in message and "cast" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_timestamps_are_written_as_microseconds(spark: Any, tmp_path: Path) -> None:
+    df = spark.sql("select timestamp'2026-11-26 01:02:03.000004' as ts, 1L as id")
+    ds = sparkdl.write_dataset(df, tmp_path / "ts")
+    got = int(next(iter(ds.loader(1)))["ts"][0])
+    from datetime import datetime, timezone
+
+    want = spark.sql("select unix_micros(timestamp'2026-11-26 01:02:03.000004') as m").first()["m"]
+    assert got == want and datetime.fromtimestamp(got / 1e6, timezone.utc).year == 2026
 
 
 def test_empty_dataframe_is_refused(spark: Any, tmp_path: Path) -> None:
