@@ -65,7 +65,7 @@ def image_checks(cuda: bool, tmp: Path) -> list[Result]:
 
     results.append(_attempt("image decode on the CPU (Pillow, threads)", cpu_same))
     names = ["nvJPEG decode against the CPU decoder", "images/s: nvJPEG against the CPU decoder",
-             "ResNet-18 at 224 px fed by nvJPEG: data wait"]
+             "ResNet-18 at 224 px fed by nvJPEG: data wait", "ResNet-50 at 224 px fed by nvJPEG: data wait"]
     if not cuda:
         return results + [("SKIP", n, "needs CUDA") for n in names]
     try:
@@ -105,8 +105,9 @@ def image_checks(cuda: bool, tmp: Path) -> list[Result]:
         return (f"{g:,.0f} images/s on the GPU, {c:,.0f} on {len(os.sched_getaffinity(0))} CPU threads (Pillow): "
                 f"{g / c:.2f}x; torchvision {torchvision.__version__}")
 
-    def fed_resnet() -> Result:
-        model = torchvision.models.resnet18(num_classes=10).cuda().to(memory_format=torch.channels_last)
+    def fed_resnet(depth: int) -> Result:
+        build = torchvision.models.resnet18 if depth == 18 else torchvision.models.resnet50
+        model = build(num_classes=10).cuda().to(memory_format=torch.channels_last)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         mean = torch.tensor([0.485, 0.456, 0.406], device="cuda").view(1, 3, 1, 1) * 255
         std = torch.tensor([0.229, 0.224, 0.225], device="cuda").view(1, 3, 1, 1) * 255
@@ -138,11 +139,13 @@ def image_checks(cuda: bool, tmp: Path) -> list[Result]:
         share = waited / total
         detail = (f"{steps:.0f} steps of 128 (bf16 autocast, channels_last): {steps * 128 / total:,.0f} images/s, "
                   f"waiting for data {share:.1%} of the time (target < {WAIT_TARGET:.0%})")
-        return ("PASS" if share < WAIT_TARGET else "FAIL", names[2], detail)
+        name = names[2] if depth == 18 else names[3]
+        return ("PASS" if share < WAIT_TARGET else "FAIL", name, detail)
 
     results.append(_attempt(names[0], same_pixels))
     results.append(_attempt(names[1], speed))
-    results.append(_attempt(names[2], fed_resnet))
+    results.append(_attempt(names[2], lambda: fed_resnet(18)))
+    results.append(_attempt(names[3], lambda: fed_resnet(50)))
     return results
 
 

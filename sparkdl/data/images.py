@@ -66,8 +66,9 @@ class ImageDecoder:
         flip: with ``"random"``, flip left-right with probability 1/2.
         center_fraction: with ``"center"``, the crop's share of the image's shorter side.
         max_pixels: images of more pixels than this are refused (decompression bombs).
-        device: ``"cuda"`` (or ``"cuda:N"``) to decode JPEGs with nvJPEG on that GPU, in batches;
-            ``None``: on the CPU, in the loader's decode workers.
+        device: ``"cuda"`` (or ``"cuda:N"``) to decode JPEGs with nvJPEG on that GPU and crop
+            them there, a batch at a time; ``"cpu"``: the same batched path on the CPU (Pillow
+            decodes); ``None`` (the default): one image at a time on the loader's decode workers.
 
     Raises:
         ConfigError: a setting is out of range.
@@ -108,9 +109,9 @@ class ImageDecoder:
         return (int(s), int(s)) if isinstance(s, int) else (int(s[0]), int(s[1]))
 
     @property
-    def on_gpu(self) -> bool:
-        """Whether batches are decoded on a CUDA device."""
-        return self.device is not None and str(self.device).startswith("cuda")
+    def batched(self) -> bool:
+        """Whether whole batches are decoded at once, on ``device`` (in the loader's reader thread)."""
+        return self.device is not None
 
     # -- the random draws, the same on every engine ------------------------------------------------
 
@@ -144,27 +145,45 @@ class ImageDecoder:
     def _flip(self, rng: np.random.Generator) -> bool:
         return bool(self.flip and rng.random() < 0.5)
 
-    # -- the CPU engine: Pillow --------------------------------------------------------------------
+    # -- the CPU engine: simplejpeg (libjpeg-turbo) for JPEGs, Pillow for the rest ------------------
 
     def __call__(self, value: Any, rng: np.random.Generator) -> np.ndarray:
         """One image (encoded bytes, or a Spark ``image`` struct as a dict) as ``uint8 [3, H, W]``."""
-        im = self._open(value)
-        width, height = im.size
-        x, y, w, h, flip = self.region(width, height, rng)
-        out_h, out_w = self.out_size
-        if im.format == "JPEG":
-            # Decode at 1/2, 1/4, 1/8 while the region keeps at least the output's pixels.
-            s = 1
-            while s < 8 and w >= 2 * s * out_w and h >= 2 * s * out_h:
-                s *= 2
-            if s > 1:
+        header = _jpeg_header(value)
+        if header is not None:
+            height, width = header
+            self._check_pixels(width, height)
+            x, y, w, h, flip = self.region(width, height, rng)
+            pixels = _decode_jpeg(value, width, height, self._dct_scale(w, h))
+        else:
+            im = self._open(value)
+            width, height = im.size
+            x, y, w, h, flip = self.region(width, height, rng)
+            s = self._dct_scale(w, h)
+            if im.format == "JPEG" and s > 1:  # a JPEG simplejpeg cannot take (CMYK), or no simplejpeg
                 im.draft("RGB", (max(1, width // s), max(1, height // s)))
-        pixels = self._pixels(im)  # [h, w, 3], at the draft's scale
+            pixels = self._pixels(im)  # [h, w, 3], at the draft's scale
         fx, fy = width / pixels.shape[1], height / pixels.shape[0]
         x0, y0 = int(x / fx), int(y / fy)
         x1 = max(x0 + 1, min(pixels.shape[1], round((x + w) / fx)))
         y1 = max(y0 + 1, min(pixels.shape[0], round((y + h) / fy)))
-        return _resized(pixels[y0:y1, x0:x1], (out_h, out_w), flip)
+        return _resized(pixels[y0:y1, x0:x1], self.out_size, flip)
+
+    def _dct_scale(self, w: int, h: int) -> int:
+        """1, 2, 4 or 8: the most a JPEG can be shrunk while decoding (in the DCT domain) while
+        the region still has at least the output's pixels."""
+        out_h, out_w = self.out_size
+        s = 1
+        while s < 8 and w >= 2 * s * out_w and h >= 2 * s * out_h:
+            s *= 2
+        return s
+
+    def _check_pixels(self, width: int, height: int) -> None:
+        if width * height > self.max_pixels:
+            raise BadImage(
+                f"{width} x {height} = {width * height} pixels is more than max_pixels={self.max_pixels} "
+                "(a decompression bomb?); raise ImageDecoder(max_pixels=...) if such images are expected"
+            )
 
     def _pixels(self, im: Any) -> np.ndarray:
         import numpy as np
@@ -189,12 +208,7 @@ class ImageDecoder:
             raise BadImage(f"{e}; raise ImageDecoder(max_pixels=...) if such images are expected") from None
         except Exception as e:
             raise BadImage(f"not an image Pillow can read ({type(e).__name__}: {e})") from None
-        width, height = im.size
-        if width * height > self.max_pixels:
-            raise BadImage(
-                f"{width} x {height} = {width * height} pixels is more than max_pixels={self.max_pixels} "
-                "(a decompression bomb?); raise ImageDecoder(max_pixels=...) if such images are expected"
-            )
+        self._check_pixels(*im.size)
         return im
 
     # -- the GPU engine: nvJPEG through torchvision --------------------------------------------------
@@ -203,28 +217,36 @@ class ImageDecoder:
         self, values: Sequence[Any], rngs: Sequence[np.random.Generator]
     ) -> tuple[list[torch.Tensor | None], dict[int, Exception]]:
         """A batch decoded on ``device``: each sample's ``uint8 [3, H, W]`` tensor there (``None``
-        where it failed) and the failures by position. JPEGs go through nvJPEG together; other
-        images through Pillow, then to the device."""
+        where it failed) and the failures by position. On CUDA, JPEGs go through nvJPEG together;
+        other images (and every image on the CPU) through Pillow, then to the device. The crops,
+        resizes and flips of the whole batch are one sampling pass (:func:`_crop_batch`)."""
         import torch
 
         device = torch.device(self.device or "cuda")
-        out: list[torch.Tensor | None] = [None] * len(values)
+        images: list[torch.Tensor | None] = [None] * len(values)
         bad: dict[int, Exception] = {}
-        jpegs, sizes = [], []
+        jpegs = []
         for i, v in enumerate(values):
             try:
-                im = self._open(v)
-                if im.format == "JPEG" and im.mode in ("RGB", "L"):
+                header = _jpeg_header(v) if device.type == "cuda" else None
+                if header is not None:
+                    self._check_pixels(header[1], header[0])
                     jpegs.append(i)
-                    sizes.append(im.size)
                 else:
-                    out[i] = self._augment(torch.from_numpy(self._decoded(im)).to(device), rngs[i])
+                    images[i] = torch.from_numpy(self._decoded(self._open(v))).to(device)
             except Exception as e:
                 bad[i] = e
         if jpegs:
             for i, img in zip(jpegs, _nvjpeg([values[i] for i in jpegs], device, bad, jpegs), strict=True):
-                if img is not None:
-                    out[i] = self._augment(img, rngs[i])
+                images[i] = img
+        done = [i for i, img in enumerate(images) if img is not None]
+        out: list[torch.Tensor | None] = [None] * len(values)
+        if done:
+            regions = [self.region(int(images[i].shape[2]), int(images[i].shape[1]), rngs[i])  # type: ignore[union-attr]
+                       for i in done]
+            batch = _crop_batch([images[i] for i in done], regions, self.out_size)  # type: ignore[misc]
+            for i, img in zip(done, batch.unbind(0), strict=True):
+                out[i] = img
         return out, bad
 
     def _decoded(self, im: Any) -> np.ndarray:
@@ -232,16 +254,108 @@ class ImageDecoder:
 
         return np.ascontiguousarray(self._pixels(im).transpose(2, 0, 1))
 
-    def _augment(self, img: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
-        import torch
-        import torch.nn.functional as F
 
-        _, height, width = img.shape
-        x, y, w, h, flip = self.region(width, height, rng)
-        part = img[None, :, y : y + h, x : x + w].float()
-        part = F.interpolate(part, size=self.out_size, mode="bilinear", align_corners=False, antialias=True)
-        part = part[0].round_().clamp_(0, 255).to(torch.uint8)
-        return part.flip(-1) if flip else part
+MAX_SUPERSAMPLING = 4
+"""Without torchvision, the batched path averages at most 4 x 4 samples per output pixel: crops
+shrunk more than 4 times alias a little, where the per-sample path's filter would not."""
+
+
+def _crop_batch(images: list[torch.Tensor], regions: list[tuple[int, int, int, int, bool]],
+                size: tuple[int, int]) -> torch.Tensor:
+    """The regions ``(x, y, w, h, flip)`` of ``images`` (``uint8 [3, h, w]`` each, one device),
+    resized to ``size`` and flipped, as one ``uint8 [n, 3, H, W]`` tensor, in a few kernels for
+    the whole batch: the images are laid on one canvas (each with a copy of its last row and
+    column beside it, so that no sample reaches the padding), and each output pixel averages
+    bilinear samples spread over its area: torchvision's ``roi_align`` (as many samples per
+    pixel as the region is larger than the output), or, without torchvision, ``grid_sample``
+    at ``k x k`` samples per pixel and an average. Measured on an H200, 128 photos: 0.6 ms for
+    ``roi_align``, 5.7 ms for one ``interpolate`` per image, 8 ms for ``grid_sample``."""
+    import torch
+
+    n, (out_h, out_w) = len(images), size
+    device = images[0].device
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    heights = [int(img.shape[1]) for img in images]
+    widths = [int(img.shape[2]) for img in images]
+    H, W = max(heights) + 1, max(widths) + 1
+    canvas = torch.empty((n, 3, H, W), dtype=dtype, device=device)
+    for i, img in enumerate(images):
+        h, w = heights[i], widths[i]
+        canvas[i, :, :h, :w].copy_(img)
+        canvas[i, :, :h, w].copy_(img[:, :, -1])
+        canvas[i, :, h, : w + 1].copy_(canvas[i, :, h - 1, : w + 1])
+    try:
+        from torchvision.ops import roi_align
+    except ImportError:
+        out = _grid_sampled(canvas, regions, size)
+    else:
+        boxes = torch.tensor([[i, x, y, x + w, y + h] for i, (x, y, w, h, _) in enumerate(regions)], dtype=dtype)
+        out = roi_align(canvas, boxes.to(device), output_size=(out_h, out_w), spatial_scale=1.0,
+                        sampling_ratio=-1, aligned=True)
+        flips = [i for i, r in enumerate(regions) if r[4]]
+        if flips:
+            at = torch.tensor(flips, device=device)
+            out[at] = out[at].flip(-1)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _grid_sampled(canvas: torch.Tensor, regions: list[tuple[int, int, int, int, bool]],
+                  size: tuple[int, int]) -> torch.Tensor:
+    import torch
+    import torch.nn.functional as F
+
+    n, H, W = canvas.shape[0], canvas.shape[2], canvas.shape[3]
+    out_h, out_w = size
+    k = max(1, min(MAX_SUPERSAMPLING, math.ceil(max(max(w / out_w, h / out_h) for _, _, w, h, _ in regions))))
+    # Coordinates in [-1, 1] of the canvas (align_corners=False: -1 is the left edge of pixel 0):
+    # output coordinate t in [-1, 1] maps to x + (t + 1) / 2 * w pixels, mirrored when flipped.
+    theta = torch.zeros((n, 2, 3), dtype=torch.float32)
+    for i, (x, y, w, h, flip) in enumerate(regions):
+        theta[i, 0, 0] = (-w if flip else w) / W
+        theta[i, 0, 2] = (2 * x + w) / W - 1
+        theta[i, 1, 1] = h / H
+        theta[i, 1, 2] = (2 * y + h) / H - 1
+    grid = F.affine_grid(theta.to(canvas.device), [n, 3, out_h * k, out_w * k], align_corners=False)
+    out = F.grid_sample(canvas, grid.to(canvas.dtype), mode="bilinear", padding_mode="border", align_corners=False)
+    return F.avg_pool2d(out, k) if k > 1 else out
+
+
+def _simplejpeg() -> Any:
+    try:
+        import simplejpeg
+    except ImportError:  # sparkdl[images] brings it; without it Pillow decodes JPEGs too
+        return None
+    return simplejpeg
+
+
+def _jpeg_header(value: Any) -> tuple[int, int] | None:
+    """``(height, width)`` of a JPEG that simplejpeg decodes (YCbCr or gray), else None."""
+    if not isinstance(value, (bytes, bytearray, memoryview)) or bytes(value[:2]) != b"\xff\xd8":
+        return None
+    simplejpeg = _simplejpeg()
+    if simplejpeg is None:
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(value)
+    except Exception:  # Pillow then reads it, or names what is wrong with it
+        return None
+    return (int(height), int(width)) if colorspace in ("YCbCr", "Gray") else None
+
+
+def _decode_jpeg(value: Any, width: int, height: int, scale: int) -> np.ndarray:
+    """A JPEG as ``uint8 [h, w, 3]``, shrunk ``scale`` times while decoding. simplejpeg lets go of
+    the GIL for the whole decode and writes RGB numpy directly (Pillow holds the GIL while it
+    turns its own 4-byte pixels into an array: on 16 cores that capped decoding at ~1,200
+    images/s, against ~4,200 this way, measured)."""
+    import simplejpeg
+
+    try:
+        if scale == 1:
+            return simplejpeg.decode_jpeg(value, colorspace="RGB")
+        return simplejpeg.decode_jpeg(value, colorspace="RGB", min_width=max(1, width // scale),
+                                      min_height=max(1, height // scale))
+    except Exception as e:
+        raise BadImage(f"cannot decode the JPEG ({type(e).__name__}: {e})") from None
 
 
 def _resized(hwc: np.ndarray, size: tuple[int, int], flip: bool) -> np.ndarray:

@@ -156,9 +156,9 @@ class Loader:
             )
         rank, world_size = _resolve_rank(rank, world_size)
         selected = _select_columns(dataset.manifest, columns, set(fns))
-        on_gpu = [getattr(f, "device", None) for f in fns.values() if getattr(f, "on_gpu", False)]
-        if device is None and on_gpu:
-            device = on_gpu[0]  # batches decoded on a GPU are for that GPU
+        batched = [getattr(f, "device", None) for f in fns.values() if getattr(f, "batched", False)]
+        if device is None and batched:
+            device = batched[0]  # batches decoded on a device are for that device
         target, pin = device_and_pin(device, pin_memory, to_device, _run_device)
         self._plan = EpochPlan(
             dataset.manifest,

@@ -109,6 +109,34 @@ _WORKER_FNS: dict[str, SampleFn] = {}
 def _init_worker(fns: dict[str, SampleFn]) -> None:
     _WORKER_FNS.clear()
     _WORKER_FNS.update(fns)
+    import torch
+
+    torch.set_num_threads(1)  # a process of its own: as torch's DataLoader does in its workers
+
+
+def one_torch_thread() -> None:
+    """Makes torch run this thread's operations on this thread alone, and changes nothing else.
+
+    A decode thread that calls torch (a resize, a user's tensor op) would otherwise start an
+    OpenMP team of one thread per core for each call: with a decode thread per core that is
+    cores x cores threads, and on 16 cores the decode rate halved (measured). ``torch.set_num_threads``
+    cannot be used: it also changes the setting of threads started later, the user's included.
+    OpenMP's own setting is per thread, so it is set here through the OpenMP runtime torch loaded,
+    after torch has read it for this thread. Where that runtime is not found, nothing changes.
+    """
+    import ctypes
+
+    import torch
+
+    torch.get_num_threads()  # torch sets this thread's OpenMP team size on first use: let it first
+    try:
+        with open("/proc/self/maps") as maps:
+            runtimes = sorted({line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line})
+    except OSError:
+        return
+    for path in runtimes:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(path).omp_set_num_threads(1)
 
 
 def _run(fns: Mapping[str, SampleFn], seed: int, epoch: int, work: Sequence[tuple[str, Any, int]]) -> list[Any]:
@@ -156,11 +184,12 @@ class SampleMap:
         self.where = where
         self.skipped = Skipped()
         self._kind = worker_kind
-        self._gpu: dict[str, Any] = {n: f for n, f in self.fns.items() if getattr(f, "on_gpu", False)}
+        self._batched: dict[str, Any] = {n: f for n, f in self.fns.items() if getattr(f, "batched", False)}
         self._lock = threading.Lock()
         self._pool: cf.Executor | None = None
+        self._batch_pool: cf.ThreadPoolExecutor | None = None
         self._streams: dict[str, Any] = {}
-        if worker_kind == "processes" and len(self._gpu) < len(self.fns):
+        if worker_kind == "processes" and len(self._batched) < len(self.fns):
             self._open()  # forked here, in the thread that makes the loader, not in the reader thread
 
     def _open(self) -> cf.Executor:
@@ -172,7 +201,8 @@ class SampleMap:
                         initializer=_init_worker, initargs=(self.fns,))
                     pool.submit(int).result()  # fork every worker now
                 else:
-                    pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="sparkdl-decode")
+                    pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="sparkdl-decode",
+                                                 initializer=one_torch_thread)
                 weakref.finalize(self, pool.shutdown, wait=False, cancel_futures=True)
                 self._pool = pool
             return self._pool
@@ -183,22 +213,39 @@ class SampleMap:
         import torch
 
         device = torch.device(fn.device)
-        stream = self._streams.get(str(device))
-        if stream is None:
-            stream = self._streams[str(device)] = torch.cuda.Stream(device=device)
+        if device.type != "cuda":
+            yield contextlib.nullcontext()
+            return
+        with self._lock:
+            stream = self._streams.get(str(device))
+            if stream is None:
+                stream = self._streams[str(device)] = torch.cuda.Stream(device=device)
         with torch.cuda.stream(stream):
             yield stream
 
     def close(self) -> None:
         """Ends the workers; they are started again if the loader is iterated again."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pools, self._pool, self._batch_pool = (self._pool, self._batch_pool), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _decode_batched(self, fn: Any, values: list[Any], rows: np.ndarray, epoch: int) -> list[Any]:
+        """A batch through a batched decoder (``ImageDecoder(device=...)``), on its device's side
+        stream; failures come back as ``_Failed``."""
+        rngs = [sample_rng(self.seed, epoch, int(r)) for r in rows]
+        with self.gpu_stream(fn) as stream:
+            decoded, bad = fn.decode_batch(values, rngs)
+            if hasattr(stream, "synchronize"):
+                stream.synchronize()  # a decode thread waits, so the training thread need not
+        for i, e in bad.items():
+            decoded[i] = _Failed(f"{type(e).__name__}: {e}")
+        return list(decoded)
 
     def start(self, batch: dict[str, Any], rows: np.ndarray, epoch: int) -> Pending:
         """Sends the batch's samples to the workers; ``result()`` of what it returns waits for them."""
-        cpu = [n for n in self.fns if n not in self._gpu]
+        cpu = [n for n in self.fns if n not in self._batched]
         work = [(n, v, int(r)) for n in cpu for v, r in zip(batch[n], rows, strict=True)]
         futures: list[cf.Future[list[Any]]] = []
         if work:
@@ -210,16 +257,27 @@ class SampleMap:
                     futures.append(pool.submit(_run_in_worker, self.seed, epoch, part))
                 else:
                     futures.append(pool.submit(_run, self.fns, self.seed, epoch, part))
-        return Pending(self, batch, rows, epoch, cpu, futures)
+        batched: dict[str, cf.Future[list[Any]]] = {}
+        if self._batched:
+            with self._lock:
+                if self._batch_pool is None:
+                    # Threads of their own, also beside decode processes: a batch decodes while
+                    # the reader cuts the next ones (up to AHEAD batches at a time).
+                    self._batch_pool = cf.ThreadPoolExecutor(self.AHEAD, thread_name_prefix="sparkdl-decode-batch")
+                    weakref.finalize(self, self._batch_pool.shutdown, wait=False, cancel_futures=True)
+                pool = self._batch_pool
+            for name, fn in self._batched.items():
+                batched[name] = pool.submit(self._decode_batched, fn, list(batch[name]), rows, epoch)
+        return Pending(self, batch, rows, epoch, cpu, futures, batched)
 
 
 class Pending:
     """A batch whose samples are being decoded."""
 
     def __init__(self, owner: SampleMap, batch: dict[str, Any], rows: np.ndarray, epoch: int,
-                 cpu: list[str], futures: list[cf.Future[list[Any]]]) -> None:
+                 cpu: list[str], futures: list[cf.Future[list[Any]]], batched: dict[str, cf.Future[list[Any]]]) -> None:
         self._owner, self._batch, self._rows, self._epoch = owner, batch, rows, epoch
-        self._cpu, self._futures = cpu, futures
+        self._cpu, self._futures, self._batched = cpu, futures, batched
 
     def result(self) -> dict[str, Any]:
         """The batch with its decoded columns (bad rows raised, or left out with ``skip``)."""
@@ -230,14 +288,8 @@ class Pending:
             flat = [x for f in self._futures for x in f.result()]
             for k, name in enumerate(self._cpu):
                 outputs[name] = flat[k * n : (k + 1) * n]
-        for name, fn in owner._gpu.items():
-            rngs = [sample_rng(owner.seed, self._epoch, int(r)) for r in rows]
-            with owner.gpu_stream(fn) as stream:
-                decoded, bad = fn.decode_batch(batch[name], rngs)
-                stream.synchronize()  # this (reader) thread waits, so the training thread need not
-            for i, e in bad.items():
-                decoded[i] = _Failed(f"{type(e).__name__}: {e}")
-            outputs[name] = decoded
+        for name, future in self._batched.items():
+            outputs[name] = future.result()
         bad_rows: dict[int, str] = {}
         for name, values in outputs.items():
             for i, v in enumerate(values):

@@ -233,3 +233,25 @@ def test_bad_settings_name_themselves(photo_ds: Dataset, kwargs: dict[str, objec
 def test_image_decoder_settings_are_checked(kwargs: dict[str, object], names: str) -> None:
     with pytest.raises(ConfigError, match=names):
         ImageDecoder(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_batched_path_crops_and_flips_like_the_per_sample_path(photo_ds: Dataset) -> None:
+    """``ImageDecoder(device=...)`` decodes a batch at once and crops it in one sampling pass (nvJPEG
+    and the GPU on CUDA; here the same code on the CPU): the same regions and flips as the per-sample
+    decoder, the pixels within a few levels, bad samples named the same way."""
+    per_sample = photo_ds.loader(12, seed=6, decode={"content": ImageDecoder(160)})  # no DCT scaling at 160
+    batched = photo_ds.loader(12, seed=6, decode={"content": ImageDecoder(160, device="cpu")})
+    for a, b in zip(per_sample, batched, strict=True):
+        assert b["content"].dtype == torch.uint8 and b["content"].shape == a["content"].shape
+        # The filters differ (a box of k x k bilinear samples against Pillow's triangle) by a few
+        # levels on fine detail; 8 x 8 averages show the geometry alone: same region, same flip.
+        x, y = a["content"].float(), b["content"].float()
+        assert (x - y).abs().mean(dim=(1, 2, 3)).max() < 10
+        coarse = torch.nn.functional.avg_pool2d
+        diff = (coarse(x, 8) - coarse(y, 8)).abs().mean(dim=(1, 2, 3))
+        mirrored = (coarse(x, 8) - coarse(y.flip(-1), 8)).abs().mean(dim=(1, 2, 3))
+        assert diff.max() < 2 and (mirrored > 3 * diff).all()
+    contents: list[bytes | None] = list(photos(8, seed=2))
+    contents[3] = b"GIF89a broken"
+    out, bad = ImageDecoder(32, device="cpu").decode_batch(contents, [np.random.default_rng(i) for i in range(8)])
+    assert list(bad) == [3] and out[3] is None and all(o is not None and o.shape == (3, 32, 32) for i, o in enumerate(out) if i != 3)
