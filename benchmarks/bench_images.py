@@ -15,15 +15,19 @@ samples that process tree's memory (RSS of the process and its workers, summed, 
 - **Petastorm converter** (``--classic-python``, the classic stack's interpreter):
   ``make_spark_converter`` of the same DataFrame + ``make_torch_dataloader`` with a
   ``TransformSpec`` running the user's function.
+- **Ray Data** (``--ray-python``, an environment of its own with ``ray[data]`` and torch, not a test
+  stack): ``read_binary_files`` over the image files + ``map_batches`` running the user's function
+  + ``iter_torch_batches`` with a local shuffle buffer of 4 batches, ``num_cpus`` = the cores.
 
 The user's function is what a user writes for a DataLoader: Pillow decode, a random resized crop
 (area 8-100%, aspect 3/4-4/3) resized to 224 bilinear, a random flip, a uint8 ``[3, 224, 224]``
 array. Each way runs one epoch to warm up, then ``--epochs`` timed ones; images/s is over the timed
 epochs. Targets (issue 34): sparkdl with the user's function >= 1.0x DataLoader; with ImageDecoder
->= 1.5x; >= 3x Petastorm; peak RSS <= 1.25x DataLoader's.
+>= 1.5x; >= 3x Petastorm; >= 1.0x Ray Data; peak RSS <= 1.25x DataLoader's.
 
     .venv/bin/python benchmarks/bench_images.py                      # 2,000 images, batch 64
-    .venv/bin/python benchmarks/bench_images.py --classic-python .venv-classic/bin/python
+    .venv/bin/python benchmarks/bench_images.py --classic-python .venv-classic/bin/python \
+        --ray-python .venv-ray/bin/python     # python3 -m venv .venv-ray; pip install 'ray[data]' pydantic torch pillow psutil
 """
 
 from __future__ import annotations
@@ -165,6 +169,27 @@ def way_petastorm(images: str, batch: int, epochs: int) -> dict[str, float]:
     return out
 
 
+def way_ray(images: str, batch: int, epochs: int) -> dict[str, float]:
+    import numpy as np
+    import ray
+
+    ray.init(num_cpus=cores(), include_dashboard=False, log_to_driver=False)
+    try:
+        rng = np.random.default_rng(0)
+
+        def decode(rows: dict[str, Any]) -> dict[str, Any]:
+            return {"content": np.stack([user_decode(bytes(b), rng) for b in rows["bytes"]])}
+
+        data = ray.data.read_binary_files(images).map_batches(decode, batch_size=batch, batch_format="numpy")
+
+        def epoch(e: int) -> Any:
+            return (b["content"] for b in data.iter_torch_batches(batch_size=batch, local_shuffle_buffer_size=4 * batch))
+
+        return _time(epoch, epochs)
+    finally:
+        ray.shutdown()
+
+
 def child(argv: list[str]) -> None:
     way, where, batch, epochs = argv[0], argv[1], int(argv[2]), int(argv[3])
     if way == "dataloader":
@@ -172,6 +197,8 @@ def child(argv: list[str]) -> None:
         out = way_dataloader(files, batch, epochs)
     elif way == "petastorm":
         out = way_petastorm(where, batch, epochs)
+    elif way == "ray":
+        out = way_ray(where, batch, epochs)
     else:
         decoder = "imagedecoder" if way.endswith("imagedecoder") else "user"
         out = way_sparkdl(where, batch, epochs, decoder, "processes" if way.endswith("processes") else "threads")
@@ -251,6 +278,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs, after one to warm up")
     parser.add_argument("--classic-python", default=None, help="the classic stack's python, for Petastorm's converter")
+    parser.add_argument("--ray-python", default=None,
+                        help="the python of an environment with ray[data] and torch, for Ray Data (not a test stack)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"a subset of {','.join(WAYS)}")
     args = parser.parse_args()
     sys.path[:0] = [str(ROOT / "tests" / "resources")]
@@ -260,6 +289,8 @@ def main() -> int:
                                             for w in args.ways.split(",")]
         if args.classic_python:
             runs.append(("petastorm", args.classic_python, images))
+        if args.ray_python:
+            runs.append(("ray", args.ray_python, images))
         print(f"{args.images} JPEGs, batch {args.batch}, {cores()} cores, {args.epochs} timed epochs after 1 warm-up")
         results: dict[str, dict[str, float]] = {}
         for way, python, where in runs:
@@ -272,12 +303,13 @@ def main() -> int:
         print("against the DataLoader (images/s, peak RSS):")
         for way, r in results.items():
             print(f"  {way:<24} {r['images'] / r['seconds'] / rate:5.2f}x   {r['peak_rss'] / base['peak_rss']:5.2f}x")
-    if "petastorm" in results:
-        p = results["petastorm"]
-        print("against Petastorm's converter (images/s):")
-        for way, r in results.items():
-            if way.startswith("sparkdl"):
-                print(f"  {way:<24} {(r['images'] / r['seconds']) / (p['images'] / p['seconds']):5.2f}x")
+    for peer, title in (("petastorm", "Petastorm's converter"), ("ray", "Ray Data")):
+        if peer in results:
+            p = results[peer]
+            print(f"against {title} (images/s):")
+            for way, r in results.items():
+                if way.startswith("sparkdl"):
+                    print(f"  {way:<24} {(r['images'] / r['seconds']) / (p['images'] / p['seconds']):5.2f}x")
     return 0
 
 

@@ -64,8 +64,8 @@ def image_checks(cuda: bool, tmp: Path) -> list[Result]:
         return f"{len(a)} batches of uint8 {tuple(a[0]['content'].shape)}: the same pixels with 1 and 4 threads"
 
     results.append(_attempt("image decode on the CPU (Pillow, threads)", cpu_same))
-    names = ["nvJPEG decode against the CPU decoder", "images/s: nvJPEG against the CPU decoder",
-             "ResNet-18 at 224 px fed by nvJPEG: data wait", "ResNet-50 at 224 px fed by nvJPEG: data wait"]
+    names = ["nvJPEG decode against the CPU decoder", "nvJPEG images per second against the CPU decoder",
+             "ResNet-18 at 224 px fed by nvJPEG, data wait", "ResNet-50 at 224 px fed by nvJPEG, data wait"]
     if not cuda:
         return results + [("SKIP", n, "needs CUDA") for n in names]
     try:

@@ -9,10 +9,13 @@ rank):
 - :mod:`~sparkdl.data.files`: the files a loader reads, and the row-group reader;
 - :mod:`~sparkdl.data.plan`: each rank's share of every epoch, from the manifest alone;
 - :mod:`~sparkdl.data.images`: :class:`ImageDecoder`, images decoded and augmented per sample
-  (Pillow, or nvJPEG on a GPU);
+  (simplejpeg, Pillow), or a batch at a time on a device (:mod:`~sparkdl.data.image_batches`:
+  nvJPEG and one sampling pass);
 - :mod:`~sparkdl.data.samples`: per-sample functions (``decode=``) on worker threads or
   processes, each sample's randomness from its row;
+- :mod:`~sparkdl.data.spares`: shuffle windows' arrays, reused;
 - :mod:`~sparkdl.data.read`: windows of rows read with pyarrow, cut into batches of tensors;
+- :mod:`~sparkdl.data.selection`: the columns a loader reads, checked, and where a row is;
 - :mod:`~sparkdl.data.petastorm`: the same batches read by Petastorm (the classic stack);
 - :mod:`~sparkdl.data.prefetch`: batches prepared ahead in a background thread;
 - :mod:`~sparkdl.data.loader`: :class:`Loader`, one rank's batches, epoch after epoch;

@@ -64,13 +64,14 @@ from typing import Any
 import numpy as np
 
 from sparkdl.data.files import ParquetFiles
-from sparkdl.data.manifest import ARRAY, UNSUPPORTED, ColumnSpec, Manifest
 from sparkdl.data.petastorm import check_petastorm
 from sparkdl.data.plan import EpochPlan
 from sparkdl.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
-from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker, Spares
+from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker
 from sparkdl.data.reshard import STATE_VERSION, Resume, epoch_batches, restore
 from sparkdl.data.samples import SampleFn, SampleMap, check_decode, default_workers
+from sparkdl.data.selection import place, select_columns
+from sparkdl.data.spares import Spares
 from sparkdl.errors import ConfigError, NotInRunError
 
 
@@ -155,7 +156,7 @@ class Loader:
                 "comes from its row in the dataset, which Petastorm's reader does not tell)"
             )
         rank, world_size = _resolve_rank(rank, world_size)
-        selected = _select_columns(dataset.manifest, columns, set(fns))
+        selected = select_columns(dataset.manifest, columns, set(fns))
         batched = [getattr(f, "device", None) for f in fns.values() if getattr(f, "batched", False)]
         if device is None and batched:
             device = batched[0]  # batches decoded on a device are for that device
@@ -180,7 +181,7 @@ class Loader:
         # dropping the loader stops its thread.
         self._samples = SampleMap(
             fns, seed=seed, workers=decode_workers or default_workers(), worker_kind=decode_in,
-            on_bad_sample=on_bad_sample, where=functools.partial(_place, dataset.manifest),
+            on_bad_sample=on_bad_sample, where=functools.partial(place, dataset.manifest),
         ) if fns else None
         self._reading = (dataset, self._plan, BatchMaker(selected, pin, transform, self._samples), self._spares,
                          reader, petastorm_workers, prefetch > 0)
@@ -354,50 +355,6 @@ class Loader:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(f"{name}={value!r}: give an integer >= {minimum}")
-
-
-def _select_columns(manifest: Manifest, columns: Sequence[str] | None, decoded: set[str]) -> tuple[ColumnSpec, ...]:
-    if isinstance(columns, str):
-        columns = [columns]
-    names = list(columns) if columns is not None else [c.name for c in manifest.columns]
-    if not names:
-        raise ConfigError("columns=[] selects nothing; name at least one column, or leave columns out for all")
-    known = {c.name for c in manifest.columns}
-    missing = [n for n in names if n not in known]
-    if missing:
-        raise ConfigError(f"columns {missing} are not in the dataset; its columns are {sorted(known)}")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"columns={names} names a column twice")
-    specs = tuple(manifest.column(n) for n in names)
-    undecoded = decoded - set(names)
-    if undecoded:
-        raise ConfigError(
-            f"decode names {sorted(undecoded)}, which columns={names} leaves out; add them to columns, or leave columns out"
-        )
-    bad = [f"{c.name!r} ({c.dtype})" for c in specs if c.kind == UNSUPPORTED and c.name not in decoded]
-    if bad:
-        feedable = [c.name for c in manifest.columns if c.kind != UNSUPPORTED]
-        raise ConfigError(
-            f"the column(s) {', '.join(bad)} cannot be fed to torch (supported: numbers, numeric "
-            f"arrays, binary, strings); pass columns=[...] without them, e.g. columns={feedable}"
-        )
-    for c in specs:
-        if c.kind == ARRAY and c.length is None and c.name + LENGTHS_SUFFIX in names:
-            raise ConfigError(
-                f"the variable-length column {c.name!r} comes with a {c.name + LENGTHS_SUFFIX!r} tensor, "
-                "and the dataset has a column of that name too; leave one of them out with columns=[...]"
-            )
-    return specs
-
-
-def _place(manifest: Manifest, row: int) -> str:
-    """Where row ``row`` of the dataset is: its Parquet file and its row there."""
-    for f in manifest.files:
-        n = sum(f.row_groups)
-        if row < n:
-            return f"row {row} of {f.path or 'the file'}"
-        row -= n
-    return "past the last file"
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

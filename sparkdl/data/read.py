@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from sparkdl.data.files import ParquetFiles, RowGroupReader
 from sparkdl.data.manifest import ARRAY, SCALAR, ColumnSpec
 from sparkdl.data.plan import EpochPlan, pieces
 from sparkdl.data.samples import SampleMap
+from sparkdl.data.spares import Spares, new_array
 from sparkdl.errors import DatasetError
 from sparkdl.storage import redact
 
@@ -190,48 +190,6 @@ def read_in_turn(read: Callable[[int], T], keys: Sequence[int], *, read_ahead: b
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-class Spares:
-    """The numpy arrays of served shuffle windows, kept for the windows still to be read.
-
-    Shared by the thread that serves windows (``give``) and the one that reads them (``take``).
-    Two per column are enough: a window is given back before the window after next is read, and
-    the last two windows of an epoch hand theirs to the first two of the next.
-    """
-
-    _KEEP = 2
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
-
-    def take(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        """An array of ``shape`` and ``dtype``: the first rows of a spare one, or a new one."""
-        key = (shape[1:], np.dtype(dtype).str)
-        with self._lock:
-            free = self._free.get(key)
-            spare = free.pop() if free else None
-            if spare is None or len(spare) < shape[0]:
-                self._free.clear()  # a shape no spare fits: let them all go before allocating
-                spare = None
-        return _new_array(shape, dtype) if spare is None else spare[: shape[0]]
-
-    def give(self, window: Window) -> None:
-        """Takes back the numpy arrays of a window whose batches are all cut (all copies)."""
-        with self._lock:
-            for data in window.values():
-                if isinstance(data, np.ndarray):
-                    root = data if data.base is None else data.base
-                    if isinstance(root, np.ndarray) and root.base is None:
-                        free = self._free.setdefault((root.shape[1:], root.dtype.str), [])
-                        if len(free) < self._KEEP:
-                            free.append(root)
-
-    def clear(self) -> None:
-        """Lets every spare array go."""
-        with self._lock:
-            self._free.clear()
-
-
 def location(files: ParquetFiles, plan: EpochPlan, share: Sequence[tuple[int, int, int]]) -> str:
     """Where ``(row group, start, stop)`` pieces are, for messages: the dataset and its files."""
     specs = files.manifest.files
@@ -251,7 +209,7 @@ class WindowBuilder:
 
     def __init__(self, columns: Sequence[ColumnSpec], rows: int, where: str, spare: Spares | None = None) -> None:
         self._columns = columns
-        self._empty = spare.take if spare is not None else _new_array
+        self._empty = spare.take if spare is not None else new_array
         self._rows = rows
         self._where = where
         self._pos = 0
@@ -330,10 +288,6 @@ class WindowBuilder:
                 raise _null_elements(c, self._where)
             window[name] = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
         return window
-
-
-def _new_array(shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    return np.empty(shape, dtype=np.dtype(dtype))
 
 
 def _one_length(chunk: pa.Array) -> int | None:

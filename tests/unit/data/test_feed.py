@@ -552,7 +552,7 @@ def test_batches_kept_across_windows_and_epochs_keep_their_values(ds: Dataset, p
 
 
 def test_spares_reuse_a_window_array_and_let_go_of_one_that_does_not_fit() -> None:
-    from sparkdl.data.read import Spares
+    from sparkdl.data.spares import Spares
 
     spares = Spares()
     first = spares.take((100, 3), "float32")

@@ -25,6 +25,10 @@ CUDA_ONLY = {
     "process group, CUDA tensors (nccl)",
     "loader pins memory for cpu",
     "TorchModel scoring function on cuda",
+    "nvJPEG decode against the CPU decoder",
+    "nvJPEG images per second against the CPU decoder",
+    "ResNet-18 at 224 px fed by nvJPEG, data wait",
+    "ResNet-50 at 224 px fed by nvJPEG, data wait",
 }
 
 
