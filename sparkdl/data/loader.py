@@ -319,6 +319,8 @@ class Loader:
 
     def __iter__(self) -> Iterator[Batch]:
         self._close_active()
+        if self._samples is not None:
+            self._samples.ready()
         at = (self._epoch, self._step)
         # After a pass that ran to its end, its pump is under way with this epoch already.
         if self._prefetch and (self._pump is None or self._pump_at != at):

@@ -189,8 +189,13 @@ class SampleMap:
         self._pool: cf.Executor | None = None
         self._batch_pool: cf.ThreadPoolExecutor | None = None
         self._streams: dict[str, Any] = {}
-        if worker_kind == "processes" and len(self._batched) < len(self.fns):
-            self._open()  # forked here, in the thread that makes the loader, not in the reader thread
+        self.ready()
+
+    def ready(self) -> None:
+        """Forks the decode processes now, in the calling thread (the loader's, not its reader's),
+        if they are used and not running (again after :meth:`close`)."""
+        if self._kind == "processes" and len(self._batched) < len(self.fns):
+            self._open()
 
     def _open(self) -> cf.Executor:
         with self._lock:
@@ -214,7 +219,7 @@ class SampleMap:
 
         device = torch.device(fn.device)
         if device.type != "cuda":
-            yield contextlib.nullcontext()
+            yield None
             return
         with self._lock:
             stream = self._streams.get(str(device))
@@ -237,7 +242,7 @@ class SampleMap:
         rngs = [sample_rng(self.seed, epoch, int(r)) for r in rows]
         with self.gpu_stream(fn) as stream:
             decoded, bad = fn.decode_batch(values, rngs)
-            if hasattr(stream, "synchronize"):
+            if stream is not None:
                 stream.synchronize()  # a decode thread waits, so the training thread need not
         for i, e in bad.items():
             decoded[i] = _Failed(f"{type(e).__name__}: {e}")

@@ -210,6 +210,12 @@ def test_decoder_processes_end_with_the_loader(photo_ds: Dataset) -> None:
     next(iter(loader))
     loader.close()
     assert not {p.pid for p in me.children(recursive=True) if p.is_running()} - before
+    again = iter(loader)  # iterating again forks them again, here, and goes on from step 1
+    assert len({p.pid for p in me.children(recursive=True)} - before) == 2
+    reference = list(photo_ds.loader(16, decode={"content": SMALL}))
+    assert torch.equal(next(again)["content"], reference[1]["content"])
+    loader.close()
+    assert not {p.pid for p in me.children(recursive=True) if p.is_running()} - before
 
 
 @pytest.mark.parametrize(("kwargs", "names"), [
