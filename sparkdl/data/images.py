@@ -27,6 +27,7 @@ the same random draws; other formats are decoded on the CPU and moved.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from collections.abc import Mapping, Sequence
@@ -261,6 +262,7 @@ class ImageDecoder:
         return np.ascontiguousarray(self._pixels(im).transpose(2, 0, 1))
 
 
+@functools.cache  # asked once per JPEG: a missing module would be searched for on every image
 def _simplejpeg() -> Any:
     try:
         import simplejpeg
