@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +27,7 @@ from sparkdl.task.mpi import Endpoint, Mpirun, join_job
 from sparkdl.task.net import host_of
 from sparkdl.task.rankproc import STACK_DUMP_S, RankProcess
 from sparkdl.task.spawn import Zygote, read_error
+from sparkdl.task.workdir import Workdir
 from sparkdl.wire.channel import ChannelError, FramedConnection, connect
 from sparkdl.wire.messages import (
     DumpStacks,
@@ -157,7 +156,8 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
     secret = bytes.fromhex(payload.secret_hex)
     conn = _reach_driver(payload, secret)
     link = DriverLink(conn, rank)
-    workdir = Path(tempfile.mkdtemp(prefix=f"sparkdl-{run.run_id}-r{rank}-"))
+    own = Workdir(run.run_id, rank)  # swept by a later task if this one is killed
+    workdir = own.path
     listener: socket.socket | None = None
     proc: RankProcess | None = None
     orders: threading.Thread | None = None
@@ -290,7 +290,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             orders.join(timeout=STACK_DUMP_S + 0.5)  # closing the connection woke it
         if hub is not None:
             hub.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        own.remove()
 
 
 def _reach_driver(payload: TaskPayload, secret: bytes) -> FramedConnection | None:
