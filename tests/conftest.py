@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -89,6 +90,19 @@ def current_stack() -> str:
         return stack
     stamp = Path(sys.prefix) / ".sparkdl-stack"
     return stamp.read_text().strip() if stamp.is_file() else "modern"
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SIGTERM (tools/test stopping a stack that runs in the background, CI giving up) ends the run
+    # as Ctrl-C does, through the fixtures' teardown: clusters, namespaces, servers and accounts go.
+    # A background job of a shell starts with SIGINT ignored; it interrupts here all the same.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
