@@ -6,7 +6,7 @@ same process, alternating, after one warm-up run each. Prints both medians and t
 
 TorchDistributor's tasks return without reading their input, so Spark retires their Python
 workers; each sparkdl run after one starts on new Python workers, and what keeps it warm is the
-executor's zygote (see the README's "Warm start"), which outlives them.
+executor's zygote (see "Warm start" in docs/guides/launching.md), which outlives them.
 
     .venv/bin/python benchmarks/bench_launch.py [--runs 5] [--master local[2]] [--remote [URL]] [--relay] [--horovod]
 

@@ -63,7 +63,7 @@ class RunConfig:
             which saves the 1.5 to 2.5 s of importing torch on every later launch. ``False``
             starts every rank as a fresh interpreter.
         stop_on_repeated_error: stop before ``max_attempts`` when a rerun cannot help (see
-            :func:`sparkdl.driver.report.unrecoverable`).
+            :func:`sparkdl.driver.policy.unrecoverable`).
         outcome_wait_s: after a rank fails, how long to wait for the other ranks of its attempt
             to report their own outcome before judging whether a rerun can help.
         min_workers: let the gang shrink when executors are gone for good. ``None`` (the

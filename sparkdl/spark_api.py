@@ -4,7 +4,7 @@ A classic session has a ``SparkContext``: its confs, its status tracker (free an
 slots), job groups, the executors' Python. A Spark Connect client has none of that: only the
 session's confs (``spark.conf``), tags on its operations (``addTag``/``interruptTag``) and
 DataFrames. :func:`of` wraps either in a :class:`SparkApi`; what Connect cannot tell is None
-(the callers then skip the check it fed, and the README says which).
+(the callers then skip the check it fed, and the docs say which).
 
 This is a leaf: pyspark is only touched through the session it is given.
 """
@@ -20,16 +20,17 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from sparkdl import confs
 from sparkdl.errors import ConfigError
 
 # Where the ranks' channel back to the driver listens, when the default address is not the one
 # the executors reach this driver (or Spark Connect client) at.
-CHANNEL_HOST_CONF = "spark.sparkdl.channelHost"
+CHANNEL_HOST_CONF = confs.CHANNEL_HOST.name
 # How the ranks report to the driver: "direct" (live, over the channel to this driver), "relay"
 # (through Spark itself, at the end of each attempt: sparkdl.driver.relay), "auto" (direct when
 # the executors reach this driver, else relay). Default: direct on a classic session, whose
 # executors reach its driver by construction; auto on Spark Connect.
-CHANNEL_MODE_CONF = "spark.sparkdl.channel"
+CHANNEL_MODE_CONF = confs.CHANNEL.name
 CHANNEL_MODES = ("direct", "relay", "auto")
 LOOPBACK = "127.0.0.1"
 

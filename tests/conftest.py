@@ -1,6 +1,6 @@
 """Shared fixtures and the rules of the suite.
 
-Where a test goes (the folder decides its tier and markers; see "Where a test goes" in the README):
+Where a test goes (the folder decides its tier and markers; see docs/contributing.md, "Where a test goes"):
 
 - ``tests/unit/<package path>/``: no JVM and no Spark session (a guard fails a unit test that
   starts either); mirrors ``sparkdl/``.
@@ -79,7 +79,7 @@ def tier_of(path: Path) -> str:
     rel = Path(path).resolve().relative_to(TESTS)
     if len(rel.parts) < 2 or rel.parts[0] not in TIERS:
         raise pytest.UsageError(
-            f"{rel}: every test file lives in one of tests/{{{','.join(TIERS)}}}/ (see 'Where a test goes' in the README)"
+            f"{rel}: every test file lives in one of tests/{{{','.join(TIERS)}}}/ (see 'Where a test goes' in docs/contributing.md)"
         )
     return rel.parts[0]
 

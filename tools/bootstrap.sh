@@ -19,7 +19,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${SPARKDL_STACK:-modern}"
 case "$STACK" in
-  modern) DEFAULT_VENV="$ROOT/.venv"; EXTRAS="dev,connect" ;;
+  modern) DEFAULT_VENV="$ROOT/.venv"; EXTRAS="dev,connect,docs" ;;
   # Petastorm needs pyarrow < 15, which only this stack has.
   classic) DEFAULT_VENV="$ROOT/.venv-classic"; EXTRAS="dev,petastorm" ;;
   *) echo "[bootstrap] SPARKDL_STACK=$STACK: choose modern or classic" >&2; exit 1 ;;

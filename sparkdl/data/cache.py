@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from sparkdl import confs
 from sparkdl.data.dataset import Dataset, written
 from sparkdl.data.etl import check_not_empty, exists, finish_manifest, qualify, spark_write
 from sparkdl.data.manifest import MANIFEST_NAME, MANIFEST_VERSION
@@ -29,7 +30,7 @@ from sparkdl.storage import filesystem, normalize_url, redact
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-CACHE_DIR_CONF = "spark.sparkdl.cacheDir"
+CACHE_DIR_CONF = confs.CACHE_DIR.name
 
 
 def cache_dir(spark: SparkSession) -> str:

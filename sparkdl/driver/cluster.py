@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from sparkdl import confs
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, InsufficientSlotsError
 from sparkdl.private import user_dir
 from sparkdl.spark_api import ClassicApi, SparkApi
 
 DEFAULT_STAGE_ATTEMPTS = 4
-RUN_DIR_CONF = "spark.sparkdl.runDir"
+RUN_DIR_CONF = confs.RUN_DIR.name
 
 
 def resolve_gpu(conf: Any, use_gpu: bool | None) -> bool:
@@ -116,7 +117,7 @@ def mlflow_enabled(conf: Any, cfg: RunConfig) -> bool:
     """RunConfig.mlflow, else ``spark.sparkdl.mlflow.enabled``; ConfigError when on without mlflow."""
     wanted = cfg.mlflow
     if wanted is None:
-        wanted = str(conf.get("spark.sparkdl.mlflow.enabled", "false")).lower() == "true"
+        wanted = str(conf.get(confs.MLFLOW.name, "false")).lower() == "true"
     if not wanted:
         return False
     try:

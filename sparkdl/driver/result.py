@@ -35,7 +35,7 @@ class RunResult:
 
     @property
     def metrics(self) -> pd.DataFrame:
-        """Every record as a pandas DataFrame: ``rank``, ``attempt``, ``time``, ``step`` and the metric keys."""
+        """Every record as a pandas DataFrame, with the columns ``rank``, ``attempt``, ``time``, ``step`` and the metric keys."""
         import pandas as pd
 
         frame = pd.DataFrame.from_records(self.records)

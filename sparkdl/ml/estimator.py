@@ -68,7 +68,9 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
         model.transform(test_df).select("label", "prediction")
         model.stages[-1].history        # [{"epoch": 1, "train_loss": ..., "val_loss": ..., ...}, ...]
 
-    Params (all also ``getX``/``setX``):
+    Each param below also has a getter and a setter (``getBatchSize``, ``setBatchSize``, ...).
+
+    Params:
         model: a ``torch.nn.Module`` (its initial weights are used) or a zero-argument factory.
             The module's class must be importable where the executors run, or defined in the
             driver's ``__main__``/notebook (then it travels by value).
@@ -82,17 +84,24 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
             tensors, or int64 with ``task="classification"``).
         task: ``"classification"`` or ``"regression"``; inferred from a named loss, and
             ``"regression"`` (raw outputs) for a callable one unless set.
-        featuresCol, labelCol, predictionCol: column names (``"features"``, ``"label"``, ``"prediction"``).
-        batchSize (32): rows per batch on each worker. The last partial batch of each epoch is
-            dropped, unless the data is smaller than one batch per worker.
-        epochs (10), numWorkers (1), seed (0: model initialisation, the shuffle and the split).
-        backend ("torch"), useGpu (None: the task's GPU when ``spark.task.resource.gpu.amount``
-            is set), runConfig (a :class:`sparkdl.RunConfig`: the run's bounds).
-        checkpointDir (None: a new directory per fit under ``spark.sparkdl.runDir``) and
-            checkpointEvery (0: checkpoint at the end of each epoch only; N: also every N steps).
-        validationFraction (0.0): rows held out; with it, every epoch records ``val_loss`` (and
-            ``val_accuracy`` for classification).
-        inferenceBatchSize (1024): rows per model call in ``transform``.
+        featuresCol: the features column (default ``"features"``).
+        labelCol: the label column (default ``"label"``).
+        predictionCol: the column ``transform`` adds (default ``"prediction"``).
+        batchSize: rows per batch on each worker (default 32). The last partial batch of each
+            epoch is dropped, unless the data is smaller than one batch per worker.
+        epochs: passes over the data (default 10).
+        numWorkers: ranks, one Spark task each (default 1).
+        seed: seeds the model's initialisation, the shuffle and the split (default 0).
+        backend: ``"torch"`` (default) or ``"horovod"``.
+        useGpu: one GPU per rank; ``None`` (default): when ``spark.task.resource.gpu.amount`` is set.
+        runConfig: a :class:`sparkdl.RunConfig`, the run's bounds (default: ``RunConfig()``).
+        checkpointDir: where checkpoints go; ``None`` (default): a new directory per fit under
+            ``spark.sparkdl.runDir``.
+        checkpointEvery: ``0`` (default): checkpoint at the end of each epoch only; N: also every
+            N steps.
+        validationFraction: rows held out (default 0.0); with it, every epoch records
+            ``val_loss`` (and ``val_accuracy`` for classification).
+        inferenceBatchSize: rows per model call in ``transform`` (default 1024).
     """
 
     # Saved estimators name their class in their metadata, and Spark ML loads a stage by that

@@ -144,7 +144,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """Metrics per epoch of the fit that made this model: a list of dicts, one per epoch.
+        """Metrics per epoch of the fit that made this model, as a list of dicts, one per epoch.
 
         Keys: ``epoch`` (1, 2, ...), ``train_loss`` (mean over the epoch's training rows of all
         ranks), ``train_rows``, ``seconds``; with ``validationFraction`` also ``val_loss`` and,
@@ -168,7 +168,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
 
     @property
     def numFeatures(self) -> int | None:
-        """Features per row the model was trained on (None when unknown: transform then takes any one length)."""
+        """Features per row the model was trained on, or None when unknown (transform then takes any one length)."""
         return self._num_features
 
     def _require_bytes(self) -> bytes:

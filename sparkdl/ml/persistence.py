@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
-from sparkdl import spark_api
+from sparkdl import confs, spark_api
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, SparkDLError
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TRUST_CONF", "ParamsReader", "ParamsWriter", "Persistable", "check_connect_client"]
 
-TRUST_CONF = "spark.sparkdl.ml.trustSavedModels"
+TRUST_CONF = confs.TRUST_SAVED_MODELS.name
 _P = TypeVar("_P", bound="Persistable")
 
 # Saved blobs are cut into Parquet rows of this size.
