@@ -123,13 +123,14 @@ def _loop(name: str, epochs: list[Iterable[dict[str, Any]]], model: Any, device:
 
 def measure(
     ds: Any, device: Any, *, batch_size: int, hidden: int, layers: int, epochs: int,
-    rank: int = 0, world_size: int = 1,
+    rank: int = 0, world_size: int = 1, read_threads: int | None = None,
 ) -> list[Figures]:
     """The four ways of feeding (see the module docstring), in order; ``ds`` is a ``sparkdl.Dataset``."""
     import torch
 
     device = torch.device(device)
-    kw: dict[str, Any] = dict(rank=rank, world_size=world_size, seed=0, drop_last=True, device=device)
+    kw: dict[str, Any] = dict(rank=rank, world_size=world_size, seed=0, drop_last=True, device=device,
+                              read_threads=read_threads)
     # The ceiling: exactly the loader's batches, already on the device.
     ready = [{k: v.to(device) for k, v in b.items()} for b in ds.loader(batch_size, **kw)]
     _loop("warm-up", [ready[:3]], make_model(hidden, layers, device), device)  # CUDA context, kernels, allocator
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--read-threads", type=int, default=None, help="the loader's read_threads (default: its own)")
     args = parser.parse_args()
 
     import torch
@@ -183,7 +185,8 @@ def main() -> None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"{rows} rows of {FEATURES} float32 written in {time.perf_counter() - t0:.1f} s; device {device} ({name}); "
               f"MLP {FEATURES}-{'-'.join([str(hidden)] * layers)}-{CLASSES}, batch {args.batch_size}, {args.epochs} epochs")
-        figures = measure(ds, device, batch_size=args.batch_size, hidden=hidden, layers=layers, epochs=args.epochs)
+        figures = measure(ds, device, batch_size=args.batch_size, hidden=hidden, layers=layers, epochs=args.epochs,
+                          read_threads=args.read_threads)
         for line in report(figures):
             print(line)
     finally:

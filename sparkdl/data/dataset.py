@@ -120,6 +120,7 @@ class Dataset(ParquetFiles):
         decode_workers: int | None = None,
         decode_in: str = "threads",
         on_bad_sample: str = "raise",
+        read_threads: int | None = None,
     ) -> Loader:
         """This rank's loader: an iterable of ``{column: tensor}`` batches, the same count on every rank.
 
@@ -171,6 +172,10 @@ class Dataset(ParquetFiles):
             on_bad_sample: ``"raise"`` (a ``decode`` function's error stops the loader, naming
                 the row and column) or ``"skip"`` (the row is left out of its batch and counted
                 in ``loader.skipped``).
+            read_threads: threads that decode the row groups of a shuffle window at once, each a
+                row group (Parquet decodes a column on one core; a fast GPU outruns one core).
+                Default: a quarter of the cores, 1 to 4. Up to this many row groups are in memory
+                at a time instead of one. Without shuffle a window is about one row group.
         """
         # Imported here: the loader brings numpy and pyarrow, which ``import sparkdl`` must not.
         from sparkdl.data.loader import Loader
@@ -197,6 +202,7 @@ class Dataset(ParquetFiles):
             decode_workers=decode_workers,
             decode_in=decode_in,
             on_bad_sample=on_bad_sample,
+            read_threads=read_threads,
         )
 
 

@@ -8,8 +8,12 @@ side does not depend on the handle, nor on ``write_dataset``.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import posixpath
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from sparkdl.data.manifest import ColumnSpec, Manifest
@@ -120,6 +124,8 @@ class RowGroupReader:
 
     Row group ``g`` is the ``g``-th of the whole dataset: ``rg_file[g]`` is its file,
     ``rg_index[g]`` its index in that file and ``rg_rows[g]`` the rows the manifest records.
+    With ``threads`` > 1, :meth:`tables` decodes that many row groups at a time, each thread
+    with files of its own: decoding a Parquet column runs on one core, which a GPU outruns.
     """
 
     _OPEN_FILES = 8
@@ -131,19 +137,91 @@ class RowGroupReader:
         rg_index: np.ndarray,
         rg_rows: np.ndarray,
         columns: Sequence[ColumnSpec],
+        threads: int = 1,
     ) -> None:
         self._source = files
         self._rg_file, self._rg_index, self._rg_rows = rg_file, rg_index, rg_rows
+        self._columns = columns
         self._names = [c.name for c in columns]
         self._files: dict[int, pq.ParquetFile] = {}
         self._last: tuple[int, pa.Table] | None = None
         self._last_file = 0
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
 
     def row_group(self, g: int) -> pa.Table:
         """Row group ``g``'s selected columns; DatasetError when it cannot be read or changed."""
         if self._last is not None and self._last[0] == g:
             return self._last[1]
         self._last = None  # let the previous group go before the next is decoded beside it
+        table = self._read(g)
+        self._last = (g, table)
+        return table
+
+    def tables(self, groups: Sequence[int]) -> Generator[tuple[int, pa.Table], None, None]:
+        """``(g, table)`` for each of ``groups`` (distinct), in order. With ``threads`` > 1 the
+        next groups are decoded meanwhile, at most ``threads`` of them, so that many row groups'
+        Arrow data is alive at a time instead of one. The last group stays for the next call, which
+        may begin with it (a window that ends inside a row group)."""
+        todo = list(groups)
+        if self._last is not None and todo and todo[0] == self._last[0]:
+            yield self._last
+            todo = todo[1:]
+        if self._threads <= 1 or len(todo) <= 1:
+            for g in todo:
+                yield g, self.row_group(g)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="sparkdl-decode")
+        self._last = None
+        pending: collections.deque[tuple[int, Future[pa.Table]]] = collections.deque()
+        rest = iter(todo)
+        try:
+            for g in itertools.islice(rest, self._threads):
+                pending.append((g, self._pool.submit(self._decode, g)))
+            while pending:
+                g, future = pending.popleft()
+                table = future.result()
+                if (after := next(rest, None)) is not None:
+                    pending.append((after, self._pool.submit(self._decode, after)))
+                self._last = (g, table)
+                yield g, table
+                del table
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+    def pieces(self, share: Sequence[tuple[int, int, int]]) -> Iterator[tuple[pa.Table, int, int]]:
+        """``(table, start, stop)`` for the ``(row group, start, stop)`` pieces of ``share``, in
+        order; the pieces of one row group are adjacent (they come from stream ranges)."""
+        tables = self.tables(list(dict.fromkeys(g for g, _, _ in share)))
+        current: tuple[int, pa.Table] | None = None
+        try:
+            for g, a, z in share:
+                if current is None or current[0] != g:
+                    current = None  # let it go before the next is taken
+                    current = next(tables)
+                yield current[1], a, z
+        finally:
+            tables.close()
+
+    def close(self) -> None:
+        """Ends the decode threads (a thread that is decoding ends after that group)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _decode(self, g: int) -> pa.Table:
+        """Row group ``g``, read in a decode thread by that thread's own reader."""
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = self._local.reader = RowGroupReader(
+                self._source, self._rg_file, self._rg_index, self._rg_rows, self._columns
+            )
+        return reader._read(g)
+
+    def _read(self, g: int) -> pa.Table:
         f = int(self._rg_file[g])
         self._last_file = f
         handle = self._files.pop(f, None) or self._source._open_file(f)
@@ -163,7 +241,6 @@ class RowGroupReader:
                 f"manifest {int(self._rg_rows[g])}; the files changed after the Dataset was opened. "
                 "Open it again (or rewrite it) and restart"
             )
-        self._last = (g, table)
         return table
 
     def where(self) -> str:

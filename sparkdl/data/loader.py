@@ -92,7 +92,7 @@ class Loader:
     into windows of equal size (``loader.shuffle_window`` tells the result). Memory held is about
     two windows (the one being served and the one being read ahead; their arrays are reused for
     the next windows and epochs, and kept between epochs until :meth:`close`) plus one row group
-    and ``prefetch`` batches (on the device, with ``to_device``). Without shuffle, about two row
+    per decode thread (``read_threads``) and ``prefetch`` batches (on the device, with ``to_device``). Without shuffle, about two row
     groups' worth is held.
 
     Resume: :meth:`state_dict` records the epoch and the batches yielded in it, the same on every
@@ -137,14 +137,16 @@ class Loader:
         decode_workers: int | None = None,
         decode_in: str = "threads",
         on_bad_sample: str = "raise",
+        read_threads: int | None = None,
     ) -> None:
         _check_int("batch_size", batch_size, 1)
         _check_int("epoch", epoch, 0)
         _check_int("seed", seed, 0)
         _check_int("prefetch", prefetch, 0)
         _check_int("petastorm_workers", petastorm_workers, 1)
-        if shuffle_window is not None:
-            _check_int("shuffle_window", shuffle_window, 1)
+        for name, value in (("shuffle_window", shuffle_window), ("read_threads", read_threads)):
+            if value is not None:
+                _check_int(name, value, 1)
         if reader not in ("arrow", "petastorm"):
             raise ConfigError(f"reader={reader!r}: choose 'arrow' (sparkdl's reader) or 'petastorm'")
         if transform is not None and not callable(transform):
@@ -183,8 +185,9 @@ class Loader:
             fns, seed=seed, workers=decode_workers or default_workers(), worker_kind=decode_in,
             on_bad_sample=on_bad_sample, where=functools.partial(place, dataset.manifest),
         ) if fns else None
-        self._reading = (dataset, self._plan, BatchMaker(selected, pin, transform, self._samples), self._spares,
-                         reader, petastorm_workers, prefetch > 0)
+        threads = read_threads or min(4, max(1, default_workers() // 4))
+        self._reading = (dataset, self._plan, BatchMaker(selected, pin, transform, self._samples, threads),
+                         self._spares, reader, petastorm_workers, prefetch > 0)
         self._resume: Resume | None = None  # the rest of a resharded epoch, while in it
         self._source = functools.partial(epoch_batches, *self._reading, None)
         self._prefetch = prefetch

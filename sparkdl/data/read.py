@@ -1,7 +1,7 @@
 """sparkdl's Arrow reader: windows of rows read from the row groups, cut into batches of tensors.
 
 A window is read piece by piece: numbers go straight into preallocated numpy arrays, so only one
-row group's Arrow data is alive at a time; binary, string and variable-length array columns stay
+row group's Arrow data is alive at a time (one per decode thread: ``RowGroupReader``); binary, string and variable-length array columns stay
 Arrow until a batch is cut from them. The output format is described in
 :mod:`sparkdl.data.loader`.
 """
@@ -60,6 +60,8 @@ class BatchMaker:
     pin: bool
     transform: Callable[[Batch], Batch] | None
     samples: SampleMap | None = None
+    # Threads that decode a window's row groups (RowGroupReader): the loader's read_threads.
+    read_threads: int = 1
 
     @property
     def ahead(self) -> int:
@@ -124,7 +126,7 @@ def arrow_batches(
     unit, per_rank, b = plan.unit, plan.per_rank, plan.batch_size
     first = start_step * b
     units = range(first // unit, -(-per_rank // unit))
-    reader = RowGroupReader(files, plan.rg_file, plan.rg_index, plan.rg_rows, columns)
+    reader = RowGroupReader(files, plan.rg_file, plan.rg_index, plan.rg_rows, columns, make.read_threads)
     base = plan.rank * per_rank
     spare = spares if plan.shuffle else None
 
@@ -153,17 +155,19 @@ def arrow_batches(
         yield from in_turn(started(), make.ahead)
     finally:
         windows.close()
+        reader.close()
 
 
 def read_window(reader: RowGroupReader, columns: Sequence[ColumnSpec], share: Sequence[tuple[int, int, int]],
                 builder: WindowBuilder, rg_start: np.ndarray | None = None) -> Window:
     """The rows of the ``(row group, start, stop)`` pieces ``share``, in order, as one window:
-    one row group's Arrow data alive at a time. With ``rg_start`` (each row group's first row in
-    the dataset), the window also holds each row's place in the dataset, as ``ROWS``."""
-    for g, a, z in share:
-        part = reader.row_group(g).slice(a, z - a)
+    one row group's Arrow data alive at a time (one per decode thread with ``read_threads``).
+    With ``rg_start`` (each row group's first row in the dataset), the window also holds each
+    row's place in the dataset, as ``ROWS``."""
+    for table, a, z in reader.pieces(share):
+        part = table.slice(a, z - a)
         builder.add({c.name: part.column(c.name).chunks for c in columns}, z - a)
-        del part
+        del part, table
     window = builder.finish()
     if rg_start is not None:
         window[ROWS] = np.concatenate([np.arange(rg_start[g] + a, rg_start[g] + z, dtype=np.int64)

@@ -132,7 +132,7 @@ class Resume:
         wanted = self.positions()[start_step * b :]
         order = plan.row_group_order(self.epoch)
         bounds = stream_bounds(plan.rg_rows, order)
-        reader = RowGroupReader(files, plan.rg_file, plan.rg_index, plan.rg_rows, make.columns)
+        reader = RowGroupReader(files, plan.rg_file, plan.rg_index, plan.rg_rows, make.columns, make.read_threads)
 
         def read(k: int) -> tuple[Window, np.ndarray]:
             part = wanted[k * unit : (k + 1) * unit]
@@ -160,6 +160,7 @@ class Resume:
             yield from in_turn(started(), make.ahead)
         finally:
             windows.close()
+            reader.close()
 
 
 def epoch_batches(files: ParquetFiles, plan: EpochPlan, make: BatchMaker, spares: Spares, reader: str, workers: int,

@@ -596,3 +596,58 @@ def test_feeding_numbers_and_arrays_does_not_import_pandas(data_dir: Path) -> No
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _all_columns(loader: Loader) -> list[dict[str, Any]]:
+    out = []
+    for batch in loader:
+        out.append({k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in batch.items()})
+    return out
+
+
+def test_row_groups_decoded_on_several_threads_give_the_same_batches_and_resume(ds: Dataset) -> None:
+    kw: dict[str, Any] = dict(rank=0, world_size=2, seed=4, drop_last=False, shuffle_window=1500)
+    reference = [_all_columns(ds.loader(64, epoch=e, read_threads=1, **kw)) for e in (0, 1)]
+    seen: set[str] = set()
+    loader = ds.loader(64, read_threads=3, **kw)
+    for epoch, expected in enumerate(reference):
+        loader.set_epoch(epoch)
+        got = []
+        for batch in loader:
+            seen |= {t.name for t in threading.enumerate() if t.name.startswith("sparkdl-decode")}
+            got.append({k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in batch.items()})
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]), k
+    assert len(seen) > 1, seen  # the windows' row groups were decoded on more than one thread
+    loader.close()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("sparkdl-decode") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("sparkdl-decode")]
+    # A position saved mid-epoch (7 batches in, inside the second window) resumes to the same batches.
+    partial = ds.loader(64, read_threads=3, **kw)
+    taken = iter(partial)
+    for _ in range(7):
+        next(taken)
+    resumed = ds.loader(64, read_threads=3, **kw)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(partial.state_dict())))
+    partial.close()
+    rest = _all_columns(resumed)
+    assert len(rest) == len(reference[0]) - 7
+    assert all(torch.equal(a["id"], b["id"]) and torch.equal(a["f32"], b["f32"])
+               for a, b in zip(rest, reference[0][7:], strict=True))
+
+
+def test_a_row_group_that_fails_in_a_decode_thread_names_the_file(tmp_path: Path) -> None:
+    root = _write_layout(tmp_path / "d", [(400, 50)])
+    ds = Dataset(root)
+    path = next(root.glob("part-*.parquet"))
+    pq.write_table(_table(np.arange(400, dtype=np.int64)), path, row_group_size=80)  # rewritten after opening
+    with pytest.raises(DatasetError, match=r"row group \d+ has \d+ rows, the manifest 50; the files changed"):
+        for _ in ds.loader(32, read_threads=3, seed=0):
+            pass
+    with pytest.raises(ConfigError, match="read_threads=0"):
+        ds.loader(32, read_threads=0)

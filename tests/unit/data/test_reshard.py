@@ -268,3 +268,19 @@ def test_covering_ranges_bound_the_rows_read_in_vain() -> None:
         assert (stops - starts).sum() - len(positions) <= budget
     assert len(covering_ranges(positions, 10**9)[0]) == 1
     assert len(covering_ranges(positions, 0)[0]) == len(np.unique(positions)) - np.sum(np.diff(np.sort(positions)) == 1)
+
+
+def test_resharding_with_decode_threads_gives_the_batches_of_one_thread(uneven: Dataset) -> None:
+    kw: dict[str, Any] = dict(seed=5, drop_last=True, shuffle_window=300)
+    _, state = _interrupt(uneven, 2, 9, **kw)
+    rests = []
+    for threads in (1, 3):
+        per_rank = []
+        for rank in range(3):
+            loader = uneven.loader(B, rank=rank, world_size=3, read_threads=threads, **kw)
+            loader.load_state_dict(state)
+            per_rank.append(_ids(loader))
+            loader.close()
+        rests.append(per_rank)
+    assert [[b.tolist() for b in r] for r in rests[0]] == [[b.tolist() for b in r] for r in rests[1]]
+    assert sum(len(b) for r in rests[0] for b in r) > 0
