@@ -214,9 +214,9 @@ def _conf(session: Any, key: str) -> str | None:
 
 _GPU_SETUP = {
     TASK_GPU_CONF: f"set {TASK_GPU_CONF}=1 with spark.executor.resource.gpu.amount and "
-                   "spark.executor.resource.gpu.discoveryScript (conf/spark-defaults.gpu.conf shows them)",
+                   "spark.executor.resource.gpu.discoveryScript (`sparkdl conf gpu` prints them)",
     DRIVER_GPU_CONF: f"set {DRIVER_GPU_CONF} to the driver's GPUs with "
-                     "spark.driver.resource.gpu.discoveryScript (conf/gpu-discovery.sh)",
+                     "spark.driver.resource.gpu.discoveryScript (`sparkdl conf gpu-discovery --path`)",
 }
 
 
@@ -256,7 +256,7 @@ def _gpu_processes(num_processes: int, local_mode: bool) -> int:
         raise GpuConfigError(
             f"TorchDistributor(local_mode=True, use_gpu=True): {DRIVER_GPU_CONF}={available}, but Spark "
             "found no GPU on the driver; check spark.driver.resource.gpu.discoveryScript "
-            "(conf/gpu-discovery.sh), or pass use_gpu=False"
+            "(`sparkdl conf gpu-discovery --path`), or pass use_gpu=False"
         )
     if num_processes > available:
         log.warning(

@@ -12,7 +12,11 @@
     script as ``__main__`` with ``sys.argv``, ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and the
     rest set; a failed rank reruns the whole gang.
 
-Both take ``--master URL`` for a Spark session of their own, or ``--remote sc://host:port`` (else
+``sparkdl conf gpu``
+    Prints a configuration template that ships with sparkdl (``sparkdl conf`` lists them;
+    ``--path`` gives the installed file, e.g. the GPU discovery script).
+
+``doctor`` and ``run`` take ``--master URL`` for a Spark session of their own, or ``--remote sc://host:port`` (else
 ``spark.remote`` from ``--conf``, else ``$SPARK_REMOTE``) to be a Spark Connect client; giving
 both is a usage error.
 
@@ -32,6 +36,7 @@ from sparkdl.cli.options import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, 
 from sparkdl.cli.preflight import MIN_JAVA, MIN_PYARROW_FOR_SPARK4, doctor, parse_java_version
 from sparkdl.cli.report import ERROR, INFO, OK, WARN, Check, Report
 from sparkdl.cli.run import run_command, run_script
+from sparkdl.cli.templates import add_parser as add_conf_parser
 
 __all__ = [
     "ERROR",
@@ -77,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="sparkdl", description="Distributed PyTorch inside Apache Spark.")
     parser.add_argument("--version", action="version", version=f"sparkdl {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,run}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,run,conf}")
 
     doc = sub.add_parser("doctor", help="check the driver, the executors and the task slots",
                          description="Checks Java, Spark, torch, pyarrow, Horovod, Petastorm and GPUs on the driver, "
@@ -109,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(func=run_command)
+    add_conf_parser(sub)
     return parser
 
 

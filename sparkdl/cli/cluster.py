@@ -198,14 +198,14 @@ def _check_executor_gpus(report: Report, conf: Any, envs: list[dict[str, Any]], 
     if not amount:
         if driver_gpus:
             report.add("gpu scheduling", INFO, problem="spark.task.resource.gpu.amount is unset: sparkdl.run trains on CPUs",
-                       fix="to use GPUs, set the confs in conf/spark-defaults.gpu.conf (with conf/gpu-discovery.sh)")
+                       fix="to use GPUs, set the confs `sparkdl conf gpu` prints (with the script `sparkdl conf gpu-discovery --path` names)")
         return
     without = [e["executor"] for e in envs if not e.get("task_gpus")]
     unusable = [e["executor"] for e in envs if e.get("task_gpus") and (e.get("cuda_devices") or 0) < 1]
     if without:
         report.add("gpu scheduling", ERROR, executors=f"no GPU assigned on {len(without)}/{len(envs)}",
                    problem=f"spark.task.resource.gpu.amount={amount} but tasks got no GPU address",
-                   fix="set spark.executor.resource.gpu.amount and a discovery script (conf/gpu-discovery.sh) on the executors")
+                   fix="set spark.executor.resource.gpu.amount and a discovery script (`sparkdl conf gpu-discovery --path`) on the executors")
     elif unusable:
         report.add("gpu scheduling", ERROR, executors=f"torch sees no CUDA device on {len(unusable)}/{len(envs)}",
                    problem="Spark assigns GPUs but the executors' torch cannot use them",

@@ -34,7 +34,7 @@ def resolve_gpu(conf: Any, use_gpu: bool | None) -> bool:
         raise ConfigError(
             "use_gpu=True but 'spark.task.resource.gpu.amount' is unset, so Spark assigns no GPU to "
             "tasks. Set spark.task.resource.gpu.amount=1, spark.executor.resource.gpu.amount and "
-            "spark.executor.resource.gpu.discoveryScript (conf/spark-defaults.gpu.conf shows them), "
+            "spark.executor.resource.gpu.discoveryScript (`sparkdl conf gpu` prints them), "
             "or pass use_gpu=False"
         )
     return bool(use_gpu)
