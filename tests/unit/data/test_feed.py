@@ -598,11 +598,12 @@ def test_feeding_numbers_and_arrays_does_not_import_pandas(data_dir: Path) -> No
     assert out.stdout.strip() == "False"
 
 
+def _copy(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in batch.items()}
+
+
 def _all_columns(loader: Loader) -> list[dict[str, Any]]:
-    out = []
-    for batch in loader:
-        out.append({k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in batch.items()})
-    return out
+    return [_copy(batch) for batch in loader]
 
 
 def test_row_groups_decoded_on_several_threads_give_the_same_batches_and_resume(ds: Dataset) -> None:
@@ -615,7 +616,7 @@ def test_row_groups_decoded_on_several_threads_give_the_same_batches_and_resume(
         got = []
         for batch in loader:
             seen |= {t.name for t in threading.enumerate() if t.name.startswith("sparkdl-decode")}
-            got.append({k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in batch.items()})
+            got.append(_copy(batch))
         assert len(got) == len(expected)
         for a, b in zip(got, expected, strict=True):
             assert a.keys() == b.keys()
