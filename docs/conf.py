@@ -9,7 +9,7 @@ name fails the build.
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,19 +75,11 @@ def _internal_reference(app: Any, env: Any, node: Any, contnode: Any) -> Any:
 
 
 def _resolves(dotted: str) -> bool:
-    parts = dotted.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        try:
-            for name in parts[i:]:
-                obj = getattr(obj, name)
-        except AttributeError:
-            return False
-        return True
-    return False
+    try:
+        pkgutil.resolve_name(dotted)  # imports the longest module prefix, then follows attributes
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return True
 
 
 def setup(app: Any) -> None:
