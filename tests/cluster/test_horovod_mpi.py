@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import cloudpickle
@@ -98,7 +99,10 @@ def test_mpi_training_converges_like_gloo_with_every_process_started_by_a_task(s
 
     import sparkdl.driver.spark as driver
 
-    monkeypatch.setattr(driver.secrets, "token_bytes", lambda n: SECRET[:n])
+    # Only the launcher's channel secret is fixed (to look for it on command lines): patching the
+    # secrets module itself would fix the run id too, and another test process (the other stack,
+    # running side by side) would share this run's directory under /tmp and remove its markers.
+    monkeypatch.setattr(driver, "secrets", SimpleNamespace(token_bytes=lambda n: SECRET[:n]))
     mpi = sparkdl.run(train_mpi, num_workers=2, backend="horovod", config=MPI)
     monkeypatch.undo()
     gloo = sparkdl.run(train_horovod, num_workers=2, backend="horovod", config=CFG)
