@@ -667,8 +667,12 @@ class _NetnsClusters:
                 self.cluster.link_up(host)  # a test that cut a link and failed before healing it
                 self.cluster.restart_host(host)
             return self.cluster
+        # Each worker offers two fake GPUs, as a GPU worker offers its own with conf/gpu-discovery.sh;
+        # applications that ask for none are not affected.
+        fake_gpus = TESTS / "resources" / "fake-gpus.sh"
+        opts = ["-Dspark.worker.resource.gpu.amount=2", f"-Dspark.worker.resource.gpu.discoveryScript={fake_gpus}"]
         self.cluster = netns_cluster.NetnsCluster(2, cores=1, memory="1g", python=sys.executable,
-                                                  start_timeout_s=90, keep=[REPO]).start()
+                                                  start_timeout_s=90, keep=[REPO], worker_opts=opts).start()
         return self.cluster
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ the bridge's address, as a user's driver on an edge node does.
 What is shown here and nowhere else: ranks on two hosts with two addresses; the checkpoint and
 cache directories that are not shared refused before training; a SIGKILLed rank on host 2
 resumed bitwise equal from shared storage; a partition of host 2 and the loss of host 2, each
-ended within its bounds; the jobs by spark-submit; ``sparkdl doctor`` naming both hosts.
+ended within its bounds; the jobs by spark-submit; ``sparkdl doctor`` naming both hosts, their
+(fake) GPUs and the slots a run lacks.
 """
 
 from __future__ import annotations
@@ -158,12 +159,17 @@ def test_a_torch_estimator_pipeline_fits_transforms_and_reloads_across_hosts(mai
 
 
 def test_the_jobs_by_spark_submit(cluster: Any) -> None:
+    """What a user's spark-submit does: the shipped defaults file, client mode, the driver on the
+    edge node; the train job writes its dataset first (the ETL job), trains on both hosts, and the
+    inference job scores the test rows. (tests/cluster/test_standalone.py runs these on loopback
+    where namespaced hosts cannot be made.)"""
     shared = cluster.shared
     confs = _conf(cluster, **{"spark.sparkdl.runDir": f"{shared}/runs", "spark.sparkdl.cacheDir": f"{shared}/cache"})
     confs.pop("spark.master")
 
     def submit(job: str, *args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [cluster.spark_submit, "--master", cluster.master_url, "--deploy-mode", "client"]
+        cmd = [cluster.spark_submit, "--master", cluster.master_url, "--deploy-mode", "client",
+               "--properties-file", str(ROOT / "conf" / "spark-defaults.conf")]
         for key, value in confs.items():
             cmd += ["--conf", f"{key}={value}"]
         cmd += [str(ROOT / "jobs" / f"{job}.py"), *args]
@@ -172,28 +178,65 @@ def test_the_jobs_by_spark_submit(cluster: Any) -> None:
         assert done.returncode == 0, f"{job}: {done.stdout[-3000:]}\n{done.stderr[-5000:]}"
         return done
 
+    def finished(name: str) -> list[dict[str, Any]]:
+        """The master lists the application as completed (its executors released) within 30 s."""
+        deadline = time.monotonic() + 30
+        while True:
+            apps = [a for a in (cluster.status() or {}).get("completedapps", []) if a.get("name") == name]
+            if apps or time.monotonic() > deadline:
+                return apps
+            time.sleep(0.25)
+
     data, model, out = shared / "digits", shared / "model", shared / "predictions"
-    submit("train", "--data", str(data), "--model", str(model), "--epochs", "5", "--min-accuracy", "0.85")
+    train = submit("train", "--data", str(data), "--model", str(model), "--epochs", "5", "--min-accuracy", "0.85")
+    # No dataset yet: the job ran the ETL job first, into storage both hosts read.
+    assert "1445 training rows" in train.stdout and (data / "train" / "_sparkdl_manifest.json").is_file()
     summary = json.loads((model / "summary.json").read_text())
-    assert summary["accuracy"] >= 0.85 and summary["num_workers"] == 2
+    assert summary["accuracy"] >= 0.85 and summary["test_rows"] == 352
+    assert summary["num_workers"] == 2 and summary["attempts"] == 1
+    assert summary["epoch_loss"][-1] < summary["epoch_loss"][0] / 4
+    metrics = [json.loads(line) for line in (model / "metrics.jsonl").read_text().splitlines()]
+    assert {m["rank"] for m in metrics} == {0, 1}
+    # spark-submit's PythonRunner merges the Python driver's stderr into its stdout.
+    assert "sparkdl progress:" in train.stdout + train.stderr
+    # The application had an executor on each host.
+    apps = finished("sparkdl-train-digits")
+    assert apps and apps[0]["cores"] == 2, apps
+
     inference = submit("inference", "--model", str(model), "--input", str(data / "test"), "--output", str(out))
     assert "352 rows" in inference.stdout
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out)
+    assert table.num_rows == 352 and {"id", "features", "label", "prediction"} <= set(table.column_names)
+    labels, predictions = table.column("label").to_pylist(), table.column("prediction").to_pylist()
+    accuracy = sum(float(a) == b for a, b in zip(labels, predictions, strict=True)) / len(labels)
+    assert accuracy == pytest.approx(summary["accuracy"])
     _nothing_left(cluster)
 
 
-def test_doctor_names_both_hosts_and_whether_the_directories_are_shared(cluster: Any) -> None:
-    cmd = [sys.executable, "-m", "sparkdl.cli", "doctor", "--master", cluster.master_url, "--timeout", "120"]
-    confs = _conf(cluster, **{"spark.sparkdl.runDir": f"{cluster.shared}/runs"})  # the cache dir stays the default
+def test_doctor_names_both_hosts_the_shared_directories_the_gpus_and_missing_slots(cluster: Any) -> None:
+    # Each executor asks for one of its worker's (fake) GPUs and each task for one: Spark assigns
+    # them, but torch here is a CPU build, and 3 ranks do not fit 2 slots. Both are errors, and so
+    # is the cache directory left on each host's own disk.
+    cmd = [sys.executable, "-m", "sparkdl.cli", "doctor", "--master", cluster.master_url, "-n", "3", "--timeout", "120"]
+    confs = _conf(cluster, **{"spark.sparkdl.runDir": f"{cluster.shared}/runs",  # the cache dir stays the default
+                              "spark.executor.resource.gpu.amount": "1", "spark.task.resource.gpu.amount": "1"})
     confs.pop("spark.master")
     for key, value in confs.items():
         cmd += ["--conf", f"{key}={value}"]
     done = subprocess.run(cmd, cwd=ROOT, env=cluster.driver_env(), capture_output=True, text=True, timeout=300)
-    rows = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip()}
-    assert done.returncode == 1, done.stdout + done.stderr[-3000:]  # the cache directory is an error
-    assert all(h.address in rows["executors"] for h in cluster.hosts), rows["executors"]
+    out = done.stdout
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert done.returncode == 1, out + done.stderr[-3000:]
+    assert "2 reached" in rows["executors"] and all(h.address in rows["executors"] for h in cluster.hosts), rows
+    assert "on 2/2" in rows["torch"] and "on 2/2" in rows["sparkdl"], rows
     assert "shared by" in rows["run"] and rows["run"].rstrip().endswith("ok"), rows["run"]
     assert "not seen on" in rows["cache"] and all(h.address in rows["cache"] for h in cluster.hosts), rows["cache"]
-    assert "spark.sparkdl.cacheDir" in done.stdout
+    assert "spark.sparkdl.cacheDir" in out
+    assert "2 total, 2 free; need 3" in rows["task"] and rows["task"].rstrip().endswith("ERROR"), rows["task"]
+    assert "torch sees no CUDA device on 2/2" in out
+    assert "needs 3 free task slots" in out and "fix: lower num_workers" in out
     _nothing_left(cluster)
 
 

@@ -8,6 +8,9 @@ cluster started is stopped, and the test asserts that none is left and no port s
 
 The workers also offer fake GPUs (tests/resources/fake-gpus.sh), the way a GPU cluster's workers
 offer real ones with conf/gpu-discovery.sh; applications that ask for none are not affected.
+
+Where namespaced hosts can be made (root), tests/cluster/test_netns_hosts.py makes every assertion
+of this module on two hosts instead, and this module is skipped unless ``--every-stack`` is given.
 """
 
 from __future__ import annotations
@@ -35,7 +38,15 @@ pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
+    import netns_cluster
+
+    # Where namespaced hosts can be made, tests/cluster/test_netns_hosts.py runs the same jobs and the
+    # same doctor checks, with every assertion made here, on a standalone cluster of two hosts: this
+    # loopback one is for the machines that cannot (not root), and for --every-stack.
+    if netns_cluster.NetnsCluster.available() is None and not request.config.getoption("--every-stack"):
+        pytest.skip("the namespaced hosts run these (tests/cluster/test_netns_hosts.py: test_the_jobs_by_spark_submit, "
+                    "test_doctor_names_both_hosts_the_shared_directories_the_gpus_and_missing_slots)")
     c = sc_mod.StandaloneCluster(
         2, cores=1, memory="1g", python=sys.executable, start_timeout_s=60,
         worker_opts=["-Dspark.worker.resource.gpu.amount=2", f"-Dspark.worker.resource.gpu.discoveryScript={FAKE_GPUS}"],
