@@ -19,6 +19,7 @@ _SECONDS = (
     "kill_grace_s",
     "outcome_wait_s",
     "progress_interval_s",
+    "log_flush_timeout_s",
 )
 HOROVOD_CONTROLLERS = ("gloo", "mpi")
 
@@ -51,7 +52,13 @@ class RunConfig:
         kill_grace_s: after a run is stopped, how long to wait for Spark to end its tasks.
         log_tail_lines: lines of each rank's output kept for the failure report.
         init_process_group: create the default torch process group before calling ``fn``.
-        echo_logs: print every rank's output on the driver, tagged with its rank.
+        echo_logs: print every rank's output on the driver, tagged with its rank. Every line also
+            goes to a file per rank in the run's directory (``RunResult.log_dir``:
+            ``rank-<r>.log``, and ``rank-<r>.attempt-<a>.log`` for reruns), echoed or not.
+        log_flush_timeout_s: once the ranks ended, how long the run waits for the driver's
+            console (a slow pipe, a log collector) to take the ranks' lines still queued for it.
+            Lines it did not take in time are counted in a warning that names the run's log
+            directory, which has every line.
         keep_checkpoints: complete checkpoints kept in the checkpoint directory.
         progress: show a live progress line on the driver (epoch, step, throughput, loss) from
             rank 0's metrics.
@@ -105,6 +112,7 @@ class RunConfig:
     log_tail_lines: int = 20
     init_process_group: bool = True
     echo_logs: bool = True
+    log_flush_timeout_s: float = 60.0
     keep_checkpoints: int = 3
     stop_on_repeated_error: bool = True
     progress: bool = True

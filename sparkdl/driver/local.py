@@ -9,6 +9,7 @@ rerun on the driver: a failure ends the run with the same report as ``sparkdl.ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -27,6 +28,7 @@ from sparkdl.config import RunConfig
 from sparkdl.driver import policy
 from sparkdl.driver.launcher import Job, Launcher, pickle_payload
 from sparkdl.driver.monitor import Monitor
+from sparkdl.driver.output import RankOutput
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.driver.report import build_report
 from sparkdl.errors import ConfigError, RunFailedError, RunTimeoutError
@@ -207,7 +209,8 @@ def run_on_driver(
 
     ``gpu_ids``: the driver's GPU addresses to hand out, one per rank, or None for CPU.
     Checkpoints go to ``<temp dir>/sparkdl-<uid>/runs/<run id>/checkpoints``, under this user's
-    private directory (a ConfigError before any process starts when that is not private).
+    private directory (a ConfigError before any process starts when that is not private). The
+    ranks' output files (``.../<run id>/logs``) stay only when the console did not show every line.
     """
     cfg = config or RunConfig()
     int_at_least("the number of processes", num_processes, 1)
@@ -225,8 +228,18 @@ def run_on_driver(
         checkpoint_url=str(user_dir("runs", setting="TMPDIR") / run_id / "checkpoints"), config=cfg,
     )
     progress = Progress(cfg.progress_interval_s, cfg.progress)
-    monitor = Monitor(num_processes, 1, cfg, None, MetricsLog(None), progress)
+    logs = user_dir("runs", setting="TMPDIR") / run_id / "logs"
+    output = RankOutput(logs, echo=cfg.echo_logs)
+    monitor = Monitor(num_processes, 1, cfg, None, MetricsLog(None), progress, output=output)
     try:
         return LocalLauncher(gpu_ids).run(Job(run, fn_bytes, max_attempts=1), monitor)
     finally:
         progress.finish()
+        undelivered = output.close(cfg.log_flush_timeout_s)
+        output.say(undelivered, cfg.log_flush_timeout_s)
+        if not undelivered.console:
+            # Nobody is handed this run's directory (the caller gets rank 0's value): the files
+            # stay only when they hold lines the console did not show, as the warning says.
+            shutil.rmtree(logs, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                logs.parent.rmdir()

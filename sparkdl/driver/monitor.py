@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
 
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
+from sparkdl.driver.output import RankOutput
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.driver.report import RankRecord
 from sparkdl.train.store import CheckpointStore
@@ -65,8 +65,11 @@ class Monitor:
         progress: Progress,
         *,
         first_attempt: int = 0,
+        output: RankOutput | None = None,
     ) -> None:
         self.num_workers = num_workers
+        # Where every line goes (the run's files, the console): without one, the console only.
+        self.output = output if output is not None else RankOutput(None, echo=cfg.echo_logs)
         # The number of the first gang that joins (a relay hub's gang continues the driver's count).
         self.first_attempt = first_attempt
         self.max_attempts = max_attempts
@@ -207,11 +210,7 @@ class Monitor:
             if rec is not None and self.cfg.log_tail_lines:
                 rec.tail.append(line)
                 del rec.tail[: -self.cfg.log_tail_lines]
-        if self.cfg.echo_logs:
-            tag = f"[rank {rank}]" if attempt == 0 else f"[rank {rank}, attempt {attempt}]"
-            out = sys.stderr if msg.stream == "e" else sys.stdout
-            out.write(f"{tag} {line}\n")
-            out.flush()
+        self.output.line(attempt, rank, msg.stream, line)
 
     def metric(self, attempt: int, rank: int, msg: Metric) -> None:
         # The rank and attempt are the sender's; the record cannot claim others.

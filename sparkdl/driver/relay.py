@@ -30,8 +30,9 @@ from sparkdl.driver.monitor import Monitor
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.errors import SparkDLError
 from sparkdl.rankspec import RunSpec
-from sparkdl.wire.channel import ChannelError, ChannelServer, FramedConnection, Message
+from sparkdl.wire.channel import ChannelError, FramedConnection, Message
 from sparkdl.wire.messages import LogLine, RankState, Stop, decode
+from sparkdl.wire.server import ChannelServer
 
 _DOMAIN = b"sparkdl-relay-record\n"
 # Output kept for the driver, in all; past it lines are counted, not kept (metrics and ends are).

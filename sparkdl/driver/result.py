@@ -16,6 +16,8 @@ class RunResult:
 
     ``attempts`` counts the gangs that formed and ``world_sizes`` gives each one's number of ranks,
     in order: ``[4, 4, 3]`` when the third attempt ran on fewer ranks (``RunConfig.min_workers``).
+    ``log_dir`` holds every line each rank printed, a file per rank and attempt (``rank-0.log``,
+    ``rank-0.attempt-1.log``), on the driver's disk.
 
     Example::
 
@@ -32,6 +34,7 @@ class RunResult:
     world_sizes: list[int] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
     metrics_path: str | None = None
+    log_dir: str | None = None
 
     @property
     def metrics(self) -> pd.DataFrame:

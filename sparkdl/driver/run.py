@@ -21,6 +21,7 @@ from sparkdl.config import RunConfig
 from sparkdl.driver import cluster
 from sparkdl.driver.launcher import Job, pickle_payload
 from sparkdl.driver.monitor import Monitor
+from sparkdl.driver.output import RankOutput
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.driver.result import RunResult, log_to_mlflow
 from sparkdl.driver.spark import SparkLauncher
@@ -177,7 +178,9 @@ def launch(
     store = CheckpointStore(checkpoint_dir or f"{run_dir}/checkpoints", keep=cfg.keep_checkpoints)
     metrics = MetricsLog(cluster.local_metrics_path(run_dir, run_id))
     progress = Progress(cfg.progress_interval_s, cfg.progress)
-    monitor = Monitor(num_workers, attempts_allowed, cfg, store, metrics, progress)
+    # Beside the metrics: on the driver's own disk, where the user looks (the run dir may be remote).
+    output = RankOutput(cluster.local_metrics_path(run_dir, run_id).parent / "logs", echo=cfg.echo_logs)
+    monitor = Monitor(num_workers, attempts_allowed, cfg, store, metrics, progress, output=output)
     mlflow_on = cluster.mlflow_enabled(conf, cfg)
     spec = RunSpec(run_id=run_id, world_size=num_workers, backend=backend, use_gpu=gpu,
                    checkpoint_url=store.url, config=cfg)
@@ -193,6 +196,7 @@ def launch(
             marker.remove()
         metrics.close()
         progress.finish()
+        output.say(output.close(cfg.log_flush_timeout_s), cfg.log_flush_timeout_s)
         result = RunResult(
             value=value,
             run_id=run_id,
@@ -202,6 +206,7 @@ def launch(
             world_sizes=monitor.world_sizes(),
             records=metrics.records,
             metrics_path=str(metrics.path) if metrics.path else None,
+            log_dir=str(output.log_dir) if output.log_dir else None,
         )
         if mlflow_on:
             # Metrics go to MLflow whether the run succeeded or not; the model only on success.

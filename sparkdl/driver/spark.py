@@ -32,7 +32,7 @@ from sparkdl.errors import (
 from sparkdl.reach import Marker
 from sparkdl.spark_api import SparkApi
 from sparkdl.task.main import TaskPayload, task_main
-from sparkdl.wire.channel import ChannelServer
+from sparkdl.wire.server import ChannelServer
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -43,6 +43,8 @@ _POLL_S = 0.25
 # How often a Spark Connect server is asked whether it is there, and how long it may not answer.
 _SERVER_POLL_S = 2.0
 _SERVER_DOWN_S = 10.0
+# Once a Spark job ended, the longest wait for its tasks' connections to be read to their end.
+_DRAIN_S = 10.0
 log = logging.getLogger(__name__)
 
 
@@ -79,34 +81,41 @@ class SparkLauncher(Launcher):
                                   channel=mode, hub=relay.Hub if mode != "direct" else None)
             job_index = 0
             watch = _SlotWatch(api)
-            while True:
-                before = monitor.attempts_seen()
-                payload = dataclasses.replace(payload, first_attempt=before)
-                outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg, watch)
-                job_index += 1
-                if outcome.relayed is not None and not said:
-                    said = True
-                    host, port = server.address
-                    why = "reported through Spark" if mode == "relay" else f"could not reach this driver at {host}:{port}"
-                    log.warning("sparkdl: the ranks %s: their output and ends came back through Spark at the end "
-                                "of each attempt (spark.sparkdl.channel=%s)", why, mode)
-                if outcome.result is not None:
-                    return outcome.result
-                if monitor.attempts_seen() == before and outcome.verdict is None and before > 0:
-                    # No gang formed in this job (its tasks failed before they reported): another
-                    # job would fail the same way.
-                    raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
-                verdict = outcome.verdict
-                if verdict is not None and verdict.decision is policy.Decision.RERUN and verdict.world_size:
-                    payload = _shrunk(payload, verdict.world_size, job.run.world_size, monitor)
-                    continue
-                decision = policy.after_job(
-                    stopped=outcome.verdict is not None,
-                    attempts_used=monitor.attempts_seen(),
-                    max_attempts=job.max_attempts,
-                )
-                if decision is not policy.Decision.RERUN:
-                    raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
+            try:
+                while True:
+                    before = monitor.attempts_seen()
+                    payload = dataclasses.replace(payload, first_attempt=before)
+                    outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg, watch)
+                    job_index += 1
+                    if outcome.relayed is not None and not said:
+                        said = True
+                        host, port = server.address
+                        why = "reported through Spark" if mode == "relay" else f"could not reach this driver at {host}:{port}"
+                        log.warning("sparkdl: the ranks %s: their output and ends came back through Spark at the end "
+                                    "of each attempt (spark.sparkdl.channel=%s)", why, mode)
+                    if outcome.result is not None:
+                        return outcome.result
+                    if monitor.attempts_seen() == before and outcome.verdict is None and before > 0:
+                        # No gang formed in this job (its tasks failed before they reported): another
+                        # job would fail the same way.
+                        raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
+                    verdict = outcome.verdict
+                    if verdict is not None and verdict.decision is policy.Decision.RERUN and verdict.world_size:
+                        payload = _shrunk(payload, verdict.world_size, job.run.world_size, monitor)
+                        continue
+                    decision = policy.after_job(
+                        stopped=outcome.verdict is not None,
+                        attempts_used=monitor.attempts_seen(),
+                        max_attempts=job.max_attempts,
+                    )
+                    if decision is not policy.Decision.RERUN:
+                        raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
+            finally:
+                # Every task closed its connection before its Spark task ended: what the ranks
+                # printed last is read (and written out) before the server cuts what is left.
+                if left := server.drain(_DRAIN_S):
+                    log.warning("sparkdl: %d task connection(s) still open %g s after the job ended were "
+                                "closed; their last lines may be missing", left, _DRAIN_S)
 
     def _run_job(
         self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig, watch: _SlotWatch

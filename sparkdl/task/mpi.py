@@ -43,7 +43,8 @@ from pathlib import Path
 from sparkdl import proctree
 from sparkdl.task.net import iface_for
 from sparkdl.task.spawn import kill_group, peer_credentials
-from sparkdl.wire.channel import ChannelServer, FramedConnection, Message
+from sparkdl.wire.channel import FramedConnection, Message
+from sparkdl.wire.server import ChannelServer
 
 # The proxy's environment names its Unix socket here; rank 0's agents find their config here.
 PROXY_ENV = "SPARKDL_MPI_PROXY"

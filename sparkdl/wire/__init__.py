@@ -1,2 +1,3 @@
 """What travels between the driver and the Spark tasks of a run: the authenticated channel
-(:mod:`sparkdl.wire.channel`) and the typed messages it carries (:mod:`sparkdl.wire.messages`)."""
+(:mod:`sparkdl.wire.channel`; the driver's listening side, :mod:`sparkdl.wire.server`) and the
+typed messages it carries (:mod:`sparkdl.wire.messages`)."""

@@ -15,7 +15,8 @@ import sparkdl
 from sparkdl.driver.policy import decide
 from sparkdl.driver.report import RankRecord, build_report, root_cause
 from sparkdl.errors import InsufficientSlotsError, RunFailedError, RunTimeoutError
-from sparkdl.wire.channel import ChannelError, ChannelServer, connect
+from sparkdl.wire.channel import ChannelError, connect
+from sparkdl.wire.server import ChannelServer
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ def test_a_signed_record_replays_into_the_drivers_monitor(capsys: pytest.Capture
     assert out.stop is None and not out.timed_out
     [rec] = monitor.sorted_records()
     assert (rec.attempt, rec.rank, rec.host, str(rec.state), rec.tail) == (0, 0, "h0", "succeeded", ["relayed line"])
+    assert not monitor.output.close(timeout_s=10)  # as the run does before it returns
     assert "[rank 0] relayed line" in capsys.readouterr().out
 
 

@@ -29,11 +29,11 @@ from sparkdl.wire.channel import (
     MAX_UNAUTHENTICATED_BYTES,
     NONCE_BYTES,
     TAG_BYTES,
-    ChannelServer,
     FramedConnection,
     connect,
 )
 from sparkdl.wire.messages import Hello, encode
+from sparkdl.wire.server import ChannelServer
 
 SECRET = b"hardening-secret" * 2
 
@@ -287,7 +287,7 @@ def test_a_client_with_the_wrong_secret_is_rejected_and_never_heard(
 _SERVER_OUT_OF_FDS = textwrap.dedent(
     """
     import errno, json, os, resource, sys, time
-    from sparkdl.wire.channel import ChannelServer
+    from sparkdl.wire.server import ChannelServer
 
     def on_message(conn, msg):
         conn.send({"echo": msg})

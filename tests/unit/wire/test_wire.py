@@ -17,7 +17,7 @@ from sparkdl.driver.report import RankRecord
 from sparkdl.errors import NotInRunError
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec, gang_env, rank_env, read_gang, read_rank
 from sparkdl.train.store import CheckpointStore
-from sparkdl.wire.channel import ChannelError, ChannelServer, connect
+from sparkdl.wire.channel import ChannelError, connect
 from sparkdl.wire.messages import (
     DumpStacks,
     Exited,
@@ -32,6 +32,7 @@ from sparkdl.wire.messages import (
     decode,
     encode,
 )
+from sparkdl.wire.server import ChannelServer
 
 
 @pytest.mark.parametrize(
@@ -171,6 +172,7 @@ def test_monitor_over_a_real_channel_numbers_gangs_tags_output_and_judges_with_t
             raise ChannelError("the driver closed the connection")
         for conn in conns:
             conn.close()
+    assert not monitor.output.close(timeout_s=10)  # as the run does before it returns
     out = capsys.readouterr().out
     assert "[rank 1] half of a line" in out
     assert monitor.records[(0, 1)].tail == ["half of a line"]

@@ -1,0 +1,206 @@
+"""Where the ranks' output goes on the driver: every line, whole, into a file per rank in the run's
+directory, and onto the driver's console tagged with its rank.
+
+The lines arrive on the channel's threads, one per rank. Neither sink may hold those threads up:
+the console can be a slow pipe (``spark-submit ... | tee``, a CI log, a log collector), and a
+rank whose lines wait on it ends its task with them still unread, to be cut off when the run
+ends. So a channel thread only appends the line to two queues, and two threads of this object
+drain them: one appends to the files (in batches, a file opened only while it is written, so
+that a gang of hundreds holds no descriptor per rank), one writes to the console.
+
+:meth:`RankOutput.close` waits for both. The files get everything; the console gets what it
+takes within ``RunConfig.log_flush_timeout_s``, and the lines it did not take are counted, so
+that the run can say how many and where all of them are.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("sparkdl")
+
+# The console's backlog is held in memory up to this many characters; lines past it go to the
+# files only (and are counted as not shown).
+CONSOLE_BACKLOG_CHARS = 64 << 20
+# The files' pending lines are written out at least this often, and sooner past FILE_BATCH_CHARS.
+FILE_FLUSH_S = 0.5
+FILE_BATCH_CHARS = 4 << 20
+# Lines written to the console in one call (then flushed).
+CONSOLE_BATCH_LINES = 512
+
+
+def file_name(rank: int, attempt: int) -> str:
+    """A rank's file: ``rank-3.log`` for the first attempt, ``rank-3.attempt-1.log`` for a rerun."""
+    return f"rank-{rank}.log" if attempt == 0 else f"rank-{rank}.attempt-{attempt}.log"
+
+
+@dataclass(frozen=True)
+class Undelivered:
+    """What :meth:`RankOutput.close` could not deliver: lines the console did not take, and
+    lines no file got (the directory could not be written, with why)."""
+
+    console: int = 0
+    files: int = 0
+    file_error: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.console or self.files)
+
+
+class RankOutput:
+    """The sinks of every rank's lines; thread-safe. ``log_dir=None`` keeps no files, and
+    ``echo=False`` shows nothing on the console."""
+
+    def __init__(self, log_dir: Path | None, *, echo: bool, backlog_chars: int = CONSOLE_BACKLOG_CHARS) -> None:
+        self.log_dir = log_dir
+        self.echo = echo
+        self._backlog_chars = backlog_chars
+        self._lock = threading.Condition()
+        self._closing = False
+        # The files' side: lines per file name, not yet written.
+        self._pending: dict[str, list[str]] = {}
+        self._pending_chars = 0
+        self._file_error: str | None = None
+        self._files_lost = 0
+        # The console's side: (stream, tagged line) in arrival order.
+        self._console: collections.deque[tuple[str, str]] = collections.deque()
+        self._console_chars = 0
+        self._console_busy = False  # a batch is being written
+        self._not_shown = 0  # lines past the backlog, or left when close gave up
+        self._gave_up = False
+        self._threads: list[threading.Thread] = []
+        if log_dir is not None:
+            try:
+                log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as exc:
+                self._file_error = f"{type(exc).__name__}: {exc}"
+            self._start(self._write_files, "sparkdl-rank-files")
+        if echo:
+            self._start(self._write_console, "sparkdl-rank-console")
+
+    def _start(self, target: object, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
+        thread.start()
+        self._threads.append(thread)
+
+    def line(self, attempt: int, rank: int, stream: str, text: str) -> None:
+        """One whole line (without its newline) of ``rank``'s stdout (``stream="o"``) or stderr."""
+        with self._lock:
+            if self._closing:
+                self._files_lost += self.log_dir is not None
+                self._not_shown += self.echo
+                return
+            if self.log_dir is not None:
+                self._pending.setdefault(file_name(rank, attempt), []).append(text + "\n")
+                self._pending_chars += len(text) + 1
+                if self._pending_chars >= FILE_BATCH_CHARS:
+                    self._lock.notify_all()
+            if self.echo:
+                tag = f"[rank {rank}]" if attempt == 0 else f"[rank {rank}, attempt {attempt}]"
+                tagged = f"{tag} {text}\n"
+                if self._console_chars + len(tagged) > self._backlog_chars:
+                    self._not_shown += 1
+                else:
+                    self._console.append((stream, tagged))
+                    self._console_chars += len(tagged)
+                    self._lock.notify_all()
+
+    # ---- the threads ------------------------------------------------------------------------
+
+    def _write_files(self) -> None:
+        assert self.log_dir is not None
+        while True:
+            with self._lock:
+                if not self._closing and self._pending_chars < FILE_BATCH_CHARS:
+                    self._lock.wait(FILE_FLUSH_S)
+                batch, self._pending, self._pending_chars = self._pending, {}, 0
+                done = self._closing
+            for name, lines in batch.items():
+                if self._file_error is not None:
+                    self._files_lost += len(lines)
+                    continue
+                try:
+                    with open(self.log_dir / name, "a", encoding="utf-8", errors="replace") as f:
+                        f.writelines(lines)
+                except OSError as exc:
+                    self._file_error = f"{type(exc).__name__}: {exc}"
+                    self._files_lost += len(lines)
+            if done and not batch:
+                return
+
+    def _write_console(self) -> None:
+        while True:
+            with self._lock:
+                while not self._console and not self._closing:
+                    self._lock.wait()
+                if self._gave_up or (self._closing and not self._console):
+                    return
+                batch = [self._console.popleft() for _ in range(min(CONSOLE_BATCH_LINES, len(self._console)))]
+                self._console_chars -= sum(len(text) for _, text in batch)
+                self._console_busy = True
+            try:
+                start = 0
+                while start < len(batch):  # runs of one stream, each written and flushed at once
+                    stream = batch[start][0]
+                    end = start
+                    while end < len(batch) and batch[end][0] == stream:
+                        end += 1
+                    out = sys.stderr if stream == "e" else sys.stdout
+                    out.write("".join(text for _, text in batch[start:end]))
+                    out.flush()
+                    start = end
+            except (OSError, ValueError) as exc:  # a closed or broken console: the files have the lines
+                with self._lock:
+                    self._not_shown += len(batch) + len(self._console)
+                    self._console.clear()
+                    self._gave_up = True
+                    self._console_busy = False
+                    self._lock.notify_all()
+                log.debug("sparkdl: the console stopped taking the ranks' output: %s", exc)
+                return
+            with self._lock:
+                self._console_busy = False
+                self._lock.notify_all()
+
+    # ---- the end ----------------------------------------------------------------------------
+
+    def close(self, timeout_s: float) -> Undelivered:
+        """Writes out every pending line: the files all of them, the console what it takes within
+        ``timeout_s``. Returns what was not delivered; later lines are counted as such."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+            while (self._console or self._console_busy) and not self._gave_up:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    # The console takes no more in time: what is queued is not shown (the thread,
+                    # blocked in a write, stops after it).
+                    self._not_shown += len(self._console)
+                    self._console.clear()
+                    self._console_chars = 0
+                    self._gave_up = True
+                    break
+                self._lock.wait(left)
+        for thread in self._threads:
+            if thread.name == "sparkdl-rank-files":
+                thread.join()  # local file writes: bounded by the disk, not by a reader
+        return Undelivered(console=self._not_shown, files=self._files_lost, file_error=self._file_error)
+
+    def say(self, undelivered: Undelivered, timeout_s: float) -> None:
+        """Warns about what :meth:`close` could not deliver, naming where all of it is."""
+        where = f"every line is in {self.log_dir}" if self.log_dir is not None and not undelivered.files else None
+        if undelivered.console:
+            log.warning(
+                "sparkdl: %d line(s) of the ranks' output were not shown on the console: it did not take them "
+                "within RunConfig.log_flush_timeout_s=%g s%s", undelivered.console, timeout_s,
+                f"; {where}" if where else "")
+        if undelivered.files:
+            log.warning("sparkdl: %d line(s) of the ranks' output could not be written under %s (%s)",
+                        undelivered.files, self.log_dir, undelivered.file_error)
