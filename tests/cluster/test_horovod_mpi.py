@@ -1,7 +1,8 @@
 """Horovod's MPI controller: ``RunConfig(horovod_controller="mpi")`` makes each gang one Open MPI
 job whose every process a Spark task started, with the guarantees of the Gloo controller.
 
-Each case runs on ``local[2]`` and on ``local-cluster[2,1,1024]`` (the ranks in two executors).
+The training runs on ``local[2]`` and on ``local-cluster[2,1,1024]`` (the ranks in two executors);
+the rerun and the timeout on ``local-cluster``, the report of a SIGKILLed rank on ``local[2]``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ EPOCHS, BATCH, SAVE_EVERY = 2, 16, 3
 SECRET = bytes(range(100, 132))
 
 
-@pytest.fixture(params=["local[2]", pytest.param("local-cluster[2,1,1024]", marks=pytest.mark.cluster)])
+CLUSTER = pytest.param("local-cluster[2,1,1024]", marks=pytest.mark.cluster)
+# The faults run where the ranks are in executors of their own, as on a cluster; on local[2] a
+# SIGKILLed rank is the report test's, which reruns nothing.
+ON_A_CLUSTER = pytest.mark.parametrize("session", [CLUSTER], indirect=True)
+
+
+@pytest.fixture(params=["local[2]", CLUSTER])
 def session(request, spark_session):  # type: ignore[no-untyped-def]
     conf = {"spark.executor.memory": "512m"} if request.param.startswith("local-cluster") else None
     return spark_session(request.param, conf)
@@ -159,6 +166,7 @@ def train_resumable(ds: sparkdl.Dataset, fault: dict[str, Any]) -> dict[str, Any
             "restored_from": state.restored_from, "steps": state.global_step}
 
 
+@ON_A_CLUSTER
 def test_a_sigkilled_mpi_rank_reruns_the_gang_and_resumes_bitwise_equal(session, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
     import torch
 
@@ -188,6 +196,7 @@ def test_the_report_names_the_killed_rank_not_the_peer_open_mpi_ended_after_it(s
     assert "in synchronize" in report, report
 
 
+@ON_A_CLUSTER
 def test_a_hanging_mpi_rank_is_stopped_by_timeout_s(session, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
     ds = _dataset(session, str(tmp_path / "data"))
     start = time.monotonic()
