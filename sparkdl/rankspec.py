@@ -82,13 +82,17 @@ class GangSpec:
     master_port: int
     local_rank: int
     local_world_size: int
+    # Why the run's checkpoint directory must not be written: a host of the gang does not see
+    # the driver's marker in it (sparkdl.reach); None when every host does, or nobody looked.
+    checkpoints_refused: str | None = None
 
     @property
     def master_addr(self) -> str:
         return self.hosts[0]
 
     @classmethod
-    def form(cls, spec: RankSpec, *, attempt: int, hosts: list[str], master_port: int) -> GangSpec:
+    def form(cls, spec: RankSpec, *, attempt: int, hosts: list[str], master_port: int,
+             checkpoints_refused: str | None = None) -> GangSpec:
         if spec.gpu_ids:
             # Each rank sees exactly its task's GPUs (CUDA_VISIBLE_DEVICES), so in torchrun's terms
             # every task is a node of one process (--nproc_per_node=1): LOCAL_RANK 0 of 1, device
@@ -97,7 +101,7 @@ class GangSpec:
             local_rank, local_world = 0, 1
         else:
             local_rank, local_world = hosts[: spec.rank].count(spec.host), hosts.count(spec.host)
-        return cls(attempt, tuple(hosts), master_port, local_rank, local_world)
+        return cls(attempt, tuple(hosts), master_port, local_rank, local_world, checkpoints_refused)
 
 
 def rank_env(spec: RankSpec) -> dict[str, str]:
@@ -138,6 +142,7 @@ def gang_env(spec: RankSpec, gang: GangSpec) -> dict[str, str]:
         PREFIX + "LOCAL_WORLD_SIZE": str(gang.local_world_size),
         PREFIX + "ATTEMPT": str(gang.attempt),
         PREFIX + "HOSTS": ",".join(gang.hosts),
+        **({PREFIX + "CHECKPOINTS_REFUSED": gang.checkpoints_refused} if gang.checkpoints_refused else {}),
     }
 
 
@@ -196,6 +201,7 @@ def read_gang(env: Mapping[str, str] | None = None) -> GangSpec:
         master_port=int(env.get("MASTER_PORT", "0")),
         local_rank=int(env[PREFIX + "LOCAL_RANK"]),
         local_world_size=int(env[PREFIX + "LOCAL_WORLD_SIZE"]),
+        checkpoints_refused=env.get(PREFIX + "CHECKPOINTS_REFUSED") or None,
     )
 
 

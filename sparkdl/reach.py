@@ -25,10 +25,16 @@ PREFIX = ".sparkdl-reach-"
 
 @dataclass(frozen=True)
 class Marker:
-    """A file ``<url>/.sparkdl-reach-<id>`` holding ``token``; plain and picklable."""
+    """A file ``<url>/.sparkdl-reach-<id>`` holding ``token``; plain and picklable.
+
+    ``strict``: a task that does not see it stops the run before training (a directory the user
+    named). Otherwise (the default run directory) the run goes on, and its first checkpoint save
+    fails instead, with the same message: a run that never saves needs no shared storage.
+    """
 
     url: str
     token: str = field(repr=False)
+    strict: bool = True
 
     @property
     def name(self) -> str:
@@ -44,9 +50,9 @@ class Marker:
         return fs, posixpath.join(root, self.name)
 
     @classmethod
-    def plant(cls, url: str) -> Marker:
+    def plant(cls, url: str, *, strict: bool = True) -> Marker:
         """Creates ``url`` when missing and writes a fresh marker into it (on the driver)."""
-        marker = cls(url, secrets.token_hex(24))
+        marker = cls(url, secrets.token_hex(24), strict)
         fs, path = marker._locate()
         fs.create_dir(posixpath.dirname(path), recursive=True)
         with fs.open_output_stream(path) as out:
@@ -74,6 +80,20 @@ class Marker:
             fs.delete_file(path)
         except Exception:
             pass
+
+
+def not_shared(url: str, rank: int, host: str, found: str, *, outcome: str) -> str:
+    """Why a checkpoint directory that the task of ``rank`` on ``host`` does not see cannot be
+    used, and what to set; ``outcome`` says what it stopped ("sparkdl.run stopped before training")."""
+    return (
+        f"{outcome}: the checkpoint directory {redact(url)} is not shared by the driver and the executors. "
+        f"The driver wrote a marker there, but the task of rank {rank} on {host} does not see it: {found}. "
+        "Checkpoints written there would stay on each host's own disk, and a rerun would resume from "
+        "nothing. Pass checkpoint_dir= (TorchEstimator: checkpointDir) on storage that the driver and every "
+        "executor reach (a shared mount, hdfs://, s3://...), or set spark.sparkdl.runDir to such storage: "
+        "runs without checkpoint_dir keep their checkpoints under it, and without it under the driver's "
+        "temp dir, which only local modes share"
+    )
 
 
 def host_name() -> str:

@@ -221,7 +221,8 @@ def _plant_markers(spark: SparkSession, conf: Any) -> dict[str, tuple[Marker, st
     for name, url, setting in (("run directory", normalize_url(runs_root(conf)), RUN_DIR_CONF),
                                ("cache directory", cache_dir(spark), CACHE_DIR_CONF)):
         try:
-            planted[name] = (Marker.plant(url), setting)
+            # The default run directory is only an error for runs that save (see sparkdl.reach).
+            planted[name] = (Marker.plant(url, strict=setting != RUN_DIR_CONF or bool(conf.get(setting))), setting)
         except Exception:
             continue
     return planted
@@ -237,8 +238,9 @@ def _check_shared(report: Report, rows: list[dict[str, Any]], dirs: dict[str, tu
             report.add(name, OK, executors=f"shared by {scope}: {where}")
             continue
         why = next(r["unshared"][name] for r in rows if name in (r.get("unshared") or {}))
-        report.add(name, ERROR, executors=f"not seen on {', '.join(blind)}: {where}",
-                   problem=f"the executors on {', '.join(blind)} do not see the driver's {where} ({why}): "
-                   "checkpoints or cached datasets written there stay on each host's own disk",
+        then = ("checkpoints or cached datasets written there stay on each host's own disk" if marker.strict else
+                f"runs without checkpoint_dir train, but their first checkpoint save fails ({setting} is not set)")
+        report.add(name, ERROR if marker.strict else WARN, executors=f"not seen on {', '.join(blind)}: {where}",
+                   problem=f"the executors on {', '.join(blind)} do not see the driver's {where} ({why}): {then}",
                    fix=f"set {setting} to storage that the driver and every executor reach (a shared mount, "
                    "hdfs://, s3://...)" + (", or pass checkpoint_dir= to sparkdl.run" if setting == RUN_DIR_CONF else ""))

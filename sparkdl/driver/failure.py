@@ -16,7 +16,7 @@ from sparkdl.errors import (
     RunTimeoutError,
     SparkDLError,
 )
-from sparkdl.storage import redact
+from sparkdl.reach import not_shared
 
 
 def _spark_error_text(exc: BaseException | None) -> str | None:
@@ -90,12 +90,4 @@ def _unschedulable(records: list[RankRecord], slots: policy.Slots, reason: str, 
 
 def _unshared(unshared: tuple[int, str, str], url: str) -> ConfigError:
     rank, host, found = unshared
-    return ConfigError(
-        f"sparkdl.run stopped before training: the checkpoint directory {redact(url)} is not shared by the "
-        f"driver and the executors. The driver wrote a marker there, but the task of rank {rank} on {host} "
-        f"does not see it: {found}. Checkpoints written there would stay on each host's own disk, and a "
-        "rerun would resume from nothing. Pass checkpoint_dir= (TorchEstimator: checkpointDir) on storage "
-        "that the driver and every executor reach (a shared mount, hdfs://, s3://...), or set "
-        "spark.sparkdl.runDir to such storage: runs without checkpoint_dir keep their checkpoints under "
-        "it, and without it under the driver's temp dir, which only local modes share"
-    )
+    return ConfigError(not_shared(url, rank, host, found, outcome="sparkdl.run stopped before training"))

@@ -123,20 +123,24 @@ def unrecoverable(
     """Why rerunning the gang after this failed attempt cannot help, or None when it may.
 
     A rerun is skipped only when the attempt made no progress (saved no new checkpoint) and
-    either every rank failed with the same error of a kind that is a bug in the program
-    (``TypeError``, ``NameError``, ...), or the attempt failed with the same root cause as the
-    attempt before it. Anything else (a crash, a signal, a lost executor, a timeout in a
+    either its root cause is a :class:`~sparkdl.ConfigError` (sparkdl refused a setting), or every
+    rank failed with the same error of a kind that is a bug in the program (``TypeError``,
+    ``NameError``, ...), or the attempt failed with the same root cause as the attempt before it. Anything else (a crash, a signal, a lost executor, a timeout in a
     collective, a one-off error on one rank) is worth a rerun.
     """
     if progressed or not attempt:
         return None
+    root = root_cause(list(attempt))
+    if root is not None and _error_type(root.error) == "ConfigError":
+        # sparkdl refused a setting (a checkpoint directory some host does not share, ...).
+        return f"rank {root.rank} raised a ConfigError (a setting to change, below), which a rerun would raise again"
     errors = {error_key(r.error) for r in attempt if r.state is RankState.FAILED and r.error}
     all_failed = all(r.state is RankState.FAILED and r.error for r in attempt)
     if all_failed and len(errors) == 1:
         kind = _error_type(attempt[0].error)
         if kind in PROGRAM_ERRORS:
             return f"every rank raised the same {kind} ({attempt[0].error}); a rerun would raise it again"
-    root, before = root_cause(list(attempt)), root_cause(list(previous))
+    before = root_cause(list(previous))
     if (
         root is not None
         and before is not None

@@ -189,7 +189,10 @@ def launch(
     try:
         # Every task reads this back before its rank starts: a checkpoint directory that only the
         # driver's host has stops the run here, not after the checkpoints are lost (sparkdl.reach).
-        marker = Marker.plant(store.url)
+        # Only a directory the user named stops the run before training; the default run
+        # directory stops its first save (a run that never saves needs no shared storage).
+        explicit = checkpoint_dir is not None or bool(conf.get(cluster.RUN_DIR_CONF, None))
+        marker = Marker.plant(store.url, strict=explicit)
         value = SparkLauncher(session, api, checkpoints=marker).run(Job(spec, fn_bytes, attempts_allowed), monitor)
     finally:
         if marker is not None:

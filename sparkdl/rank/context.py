@@ -55,6 +55,8 @@ class RunContext:
     use_cuda: bool
     checkpoint_url: str | None = None
     keep_checkpoints: int = 3
+    # Why the checkpoint directory must not be written (a host of the gang does not share it).
+    checkpoints_refused: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -68,7 +70,7 @@ class RunContext:
         """The run's checkpoint store (``run(checkpoint_dir=...)``)."""
         if not self.checkpoint_url:
             raise NotInRunError("this run has no checkpoint directory")
-        return CheckpointStore(self.checkpoint_url, keep=self.keep_checkpoints)
+        return CheckpointStore(self.checkpoint_url, keep=self.keep_checkpoints, refused=self.checkpoints_refused)
 
     def save_checkpoint(self, obj: Any, *, all_ranks: bool = False, sharded: bool = False) -> int | None:
         """Saves ``obj`` (state_dicts, tensors, numbers, strings and containers of them, or any
@@ -97,8 +99,7 @@ class RunContext:
                 raise ConfigError("save_checkpoint: pass sharded=True or all_ranks=True, not both")
             return sharded_ckpt.save(self.checkpoints, obj, weights_only=False)
         if all_ranks:
-            store = self.checkpoints
-            return CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep).save(obj)
+            return self.checkpoints.child(f"rank-{self.rank}").save(obj)
         if self.rank != 0:
             return None
         return self.checkpoints.save(obj)
@@ -126,7 +127,7 @@ class RunContext:
             seq = sharded_ckpt.latest(store)
             return None if seq is None else sharded_ckpt.load(store, seq, into, weights_only=weights_only)
         if all_ranks:
-            store = CheckpointStore(f"{store.url}/rank-{self.rank}", keep=store.keep)
+            store = store.child(f"rank-{self.rank}")
         return store.load(weights_only=weights_only)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -204,4 +205,5 @@ def context() -> RunContext:
         use_cuda=rankspec.read_use_cuda(),
         checkpoint_url=spec.checkpoint_url,
         keep_checkpoints=spec.keep_checkpoints,
+        checkpoints_refused=gang.checkpoints_refused,
     )

@@ -22,7 +22,7 @@ from typing import Any
 
 from sparkdl import proctree
 from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
-from sparkdl.reach import Marker
+from sparkdl.reach import Marker, not_shared
 from sparkdl.task.mpi import Endpoint, Mpirun, join_job
 from sparkdl.task.net import host_of
 from sparkdl.task.rankproc import STACK_DUMP_S, RankProcess
@@ -187,16 +187,19 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             mpi = Endpoint(host, secret, rank, workdir, handshake_timeout_s=run.config.handshake_timeout_s)
         tid = ctx.taskAttemptId()
         unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
-        hello = Hello(host, os.getpid(), tid, unshared)
+        # A directory the user named stops the run here; the default one only its first save.
+        strict = payload.checkpoints is not None and payload.checkpoints.strict
+        hello = Hello(host, os.getpid(), tid, unshared if strict else None)
         not_shared = f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}"
         if conn is not None:
             link.send(hello)
-            if unshared is not None:
+            if unshared is not None and strict:
                 raise RankFailed(not_shared)
         port = listener.getsockname()[1] if listener else None
         me = {"host": host, "port": port, "tid": tid, "direct": conn is not None, "hub": hub.port if hub else None,
-              "mpi": mpi.port if mpi else None}
+              "mpi": mpi.port if mpi else None, "unshared": unshared}
         members = [json.loads(m) for m in ctx.allGather(json.dumps(me))]
+        refused = _refused(run.checkpoint_url, members)
         relayed = not all(m["direct"] for m in members)
         if relayed:
             # Some task cannot reach the driver: the whole gang reports to the hub in task 0.
@@ -210,7 +213,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             hub = None
         try:
             assert conn is not None
-            if relayed and unshared is not None:
+            if relayed and unshared is not None and strict:
                 raise RankFailed(not_shared)
             # PySpark tasks cannot see their stage attempt number; the driver numbers attempts by the
             # set of task ids that formed each gang, which every rank of a gang reports identically.
@@ -223,7 +226,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             if mpi is not None:
                 job_env, mpirun = _join_mpi(mpi, members, spec, workdir, secret, link, run.config.connect_timeout_s)
             proc.tell_gang(GangSpec.form(spec, attempt=attempt, hosts=[m["host"] for m in members],
-                                         master_port=members[0]["port"]), job_env)
+                                         master_port=members[0]["port"], checkpoints_refused=refused), job_env)
             if listener is not None:
                 # Only the rank 0 process holds the store's socket from here on.
                 listener.close()
@@ -291,6 +294,14 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         if hub is not None:
             hub.close()
         own.remove()
+
+
+def _refused(url: str, members: list[dict[str, Any]]) -> str | None:
+    """Why no rank of this gang may save a checkpoint (the first one not seeing the marker), or None."""
+    for rank, member in enumerate(members):
+        if found := member.get("unshared"):
+            return not_shared(url, rank, str(member["host"]), str(found), outcome="sparkdl: this checkpoint was not saved")
+    return None
 
 
 def _reach_driver(payload: TaskPayload, secret: bytes) -> FramedConnection | None:

@@ -269,6 +269,7 @@ def save(store: CheckpointStore, obj: Any, *, weights_only: bool = True) -> int:
     """
     import torch.distributed.checkpoint as dcp
 
+    store.check_writable()  # on every rank, before any writes its shards
     skeleton, shards = split(obj)
     seq: int | None = None
     if _rank() == 0:

@@ -25,7 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._validate import int_at_least
-from sparkdl.errors import SparkDLError
+from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.storage import filesystem, normalize_url
 
 if TYPE_CHECKING:
@@ -38,15 +38,27 @@ SHARDED = "sparkdl_sharded"
 
 
 class CheckpointStore:
-    """The checkpoints of one run. Plain and picklable: the URL and ``keep`` are all it holds."""
+    """The checkpoints of one run. Plain and picklable: the URL, ``keep`` and ``refused`` are all
+    it holds. ``refused``: why nothing may be written here (a directory some host of the gang does
+    not share, see :mod:`sparkdl.reach`); reads work, every write raises a ConfigError saying it."""
 
-    def __init__(self, url: str | os.PathLike[str], keep: int = 3) -> None:
+    def __init__(self, url: str | os.PathLike[str], keep: int = 3, *, refused: str | None = None) -> None:
         int_at_least("keep_checkpoints", keep, 1)
         self.url = normalize_url(url)
         self.keep = keep
+        self.refused = refused
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r}, keep={self.keep})"
+
+    def child(self, name: str) -> CheckpointStore:
+        """The store of a subdirectory (a rank's own checkpoints), under the same terms."""
+        return CheckpointStore(f"{self.url}/{name}", keep=self.keep, refused=self.refused)
+
+    def check_writable(self) -> None:
+        """Raises the ConfigError of a store that must not be written (``refused``)."""
+        if self.refused is not None:
+            raise ConfigError(self.refused)
 
     def _fs(self) -> tuple[pafs.FileSystem, str]:
         return filesystem(self.url)
@@ -75,6 +87,7 @@ class CheckpointStore:
         (it holds objects of classes other than tensors, numbers, strings and containers) is
         refused now, with a :class:`SparkDLError` naming them, and nothing is written.
         """
+        self.check_writable()
         return self.commit((self.latest() or 0) + 1, obj, weights_only=weights_only)
 
     def commit(self, seq: int, obj: Any, *, weights_only: bool = False, shards: str | None = None) -> int:
@@ -82,6 +95,7 @@ class CheckpointStore:
         checkpoints beyond the last ``keep``, their shard directories, the shard directories of
         saves that never committed (other than ``shards``, this checkpoint's own), and temporary
         files of writers that crashed."""
+        self.check_writable()
         import pyarrow.fs as pafs
         import torch
 

@@ -3,8 +3,9 @@ namespace of its own on a private bridge, each worker with a private /tmp (tools
 and storage all hosts share at another path. The driver programs run in the root namespace on
 the bridge's address, as a user's driver on an edge node does.
 
-What is shown here and nowhere else: ranks on two hosts with two addresses; the checkpoint and
-cache directories that are not shared refused before training; a SIGKILLed rank on host 2
+What is shown here and nowhere else: ranks on two hosts with two addresses; a checkpoint
+directory the user named and a cache directory that are not shared, refused before training; with
+the default run directory, a run that never saves runs, and one that saves stops at its first save; a SIGKILLed rank on host 2
 resumed bitwise equal from shared storage; a partition of host 2 and the loss of host 2, each
 ended within its bounds; the jobs by spark-submit; ``sparkdl doctor`` naming both hosts, their
 (fake) GPUs and the slots a run lacks.
@@ -139,12 +140,33 @@ def test_a_sigkilled_rank_on_host_2_resumes_bitwise_equal_from_shared_checkpoint
     assert killed["weights"] == reference["weights"]
 
 
-def test_the_default_checkpoint_directory_is_refused_before_training(cluster: Any, main: dict[str, Any]) -> None:
-    message = main["ckpt_default"]
+def test_a_checkpoint_directory_the_user_named_that_a_host_lacks_is_refused_before_training(
+    cluster: Any, main: dict[str, Any]
+) -> None:
+    message = main["ckpt_named"]
     assert message is not None, "a run with its checkpoints on the driver's own disk was accepted"
-    assert "not shared" in message and "checkpoint_dir" in message and "spark.sparkdl.runDir" in message
+    assert "stopped before training" in message and "not shared" in message, message
+    assert "checkpoint_dir" in message and "spark.sparkdl.runDir" in message, message
     assert any(h.address in message for h in cluster.hosts), message  # the host that does not see it
-    assert main["ckpt_default_started"] == []  # no rank ever started training
+    assert main["ckpt_named_started"] == []  # no rank ever started training
+
+
+def test_with_the_default_run_directory_a_run_that_never_saves_runs_and_one_that_saves_fails_at_its_first_save(
+    cluster: Any, main: dict[str, Any]
+) -> None:
+    # A run without checkpoint_dir, on a cluster without spark.sparkdl.runDir, as TorchDistributor's
+    # users run: it trained (test_each_rank_runs_and_listens_on_its_own_hosts_address)...
+    assert len(main["where"]) == 2
+    # ... and the one that saves was stopped at its first save, naming what to set, with no rerun.
+    failed = main["ckpt_default"]
+    assert failed is not None, "a run saved a checkpoint that only one host's disk has"
+    assert failed["attempts"] == 1, failed
+    cause = failed["root_cause"]
+    assert "ConfigError" in cause and "this checkpoint was not saved" in cause and "not shared" in cause, cause
+    assert "checkpoint_dir" in cause and "spark.sparkdl.runDir" in cause, cause
+    assert any(h.address in cause for h in cluster.hosts), cause
+    assert "a rerun would raise again" in failed["message"], failed["message"]
+    assert main["ckpt_default_started"] == ["started-default-0", "started-default-1"]  # both ranks trained
 
 
 def test_the_default_cache_directory_is_refused_and_a_shared_one_works(cluster: Any, main: dict[str, Any]) -> None:

@@ -142,10 +142,21 @@ def main() -> None:
     if scenario == "main":
         df = spark.read.parquet(ds.url)
         out["cache_default"] = config_error(lambda: sparkdl.write_dataset(df))
+        # A checkpoint directory on the driver's own disk (each host has a private /tmp).
+        mark = f"{shared}/started-named"
+        out["ckpt_named"] = config_error(lambda: sparkdl.run(train, ds, {"mark": mark}, num_workers=2, config=cfg,
+                                                             checkpoint_dir=f"/tmp/sparkdl-netns-{os.getpid()}"))
+        out["ckpt_named_started"] = sorted(p for p in os.listdir(shared) if p.startswith("started-named"))
+        # The default run directory, on the driver's temp dir: a run that never saves runs...
+        out["where"] = sparkdl.run(where, ds, num_workers=2, config=cfg)
+        # ... and one that saves fails at its first save, without a rerun.
         mark = f"{shared}/started-default"
-        out["ckpt_default"] = config_error(lambda: sparkdl.run(train, ds, {"mark": mark}, num_workers=2, config=cfg))
+        try:
+            sparkdl.run(train, ds, {"mark": mark}, num_workers=2, config=cfg)
+            out["ckpt_default"] = None
+        except sparkdl.RunFailedError as exc:
+            out["ckpt_default"] = {"message": str(exc), "root_cause": exc.root_cause, "attempts": exc.attempts}
         out["ckpt_default_started"] = sorted(p for p in os.listdir(shared) if p.startswith("started-default"))
-        out["where"] = sparkdl.run(where, ds, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/where")
         out["reference"] = sparkdl.run(train, ds, {}, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/ref")
         fault = {"how": "sigkill", "host": params["host2"], "step": 7}
         out["sigkill"] = sparkdl.run(train, ds, fault, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/kill")

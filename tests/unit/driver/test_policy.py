@@ -137,3 +137,15 @@ def test_every_time_the_policy_uses_is_a_validated_setting() -> None:
     for name in ("outcome_wait_s", "start_timeout_s", "handshake_timeout_s"):
         with pytest.raises(ValueError, match=f"RunConfig.{name} must be a positive number of seconds"):
             RunConfig(**{name: 0})
+
+
+def test_a_config_error_on_one_rank_stops_without_rerun() -> None:
+    # Rank 0 was refused its first save (a checkpoint directory a host does not share); its peer
+    # was stopped in a collective. A rerun would be refused the same way.
+    refused = (rec(0, 0, "failed", "ConfigError: sparkdl: this checkpoint was not saved: ...", 5.0),
+               rec(0, 1, "lost", None, 6.0))
+    verdict = judge(snap(AttemptView(0, refused, progressed=False)), CFG)
+    assert verdict.decision is Decision.STOP
+    assert verdict.gave_up is not None and "rank 0 raised a ConfigError" in verdict.gave_up
+    # Other errors of one rank still get their rerun.
+    assert judge(snap(AttemptView(0, ONE_OFF, progressed=False)), CFG).decision is Decision.WAIT
