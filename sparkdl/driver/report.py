@@ -126,8 +126,53 @@ def trim_stack(text: str, *, frames: int = STACK_FRAMES, max_lines: int = STACK_
 
 
 def error_key(error: str) -> str:
-    """An error with its numbers (ports, pids, addresses) as N: identical errors compare equal."""
-    return re.sub(r"\d+", "N", error)
+    """An error with its numbers (ports, pids, addresses, hex ids) as N: identical errors compare equal."""
+    return re.sub(r"\d+", "N", re.sub(r"0x[0-9a-fA-F]+", "0xN", error))
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# Ranks of an attempt that ended alike (the same outcome and stack, numbers aside) are listed as one
+# entry from this many on: a gang of hundreds stopped in one collective reads as one line and one stack.
+GROUP_MIN = 3
+
+
+def _likeness(rec: RankRecord) -> tuple[str, str, str | None]:
+    stack = error_key("\n".join(trim_stack(rec.stack))) if rec.stack else ""
+    return error_key(rec.error or rec.outcome()), stack, rec.stack_when
+
+
+def _entries(recs: list[RankRecord], root: RankRecord | None) -> list[list[RankRecord]]:
+    """The attempt's ranks in rank order, those alike (and not the root cause) as one entry."""
+    alike: dict[tuple[str, str, str | None], list[RankRecord]] = defaultdict(list)
+    for rec in recs:
+        if rec is not root:
+            alike[_likeness(rec)].append(rec)
+    entries: list[list[RankRecord]] = []
+    grouped: set[int] = set()
+    for rec in recs:
+        group = alike.get(_likeness(rec), []) if rec is not root else []
+        if len(group) >= GROUP_MIN:
+            if id(group[0]) not in grouped:
+                grouped.add(id(group[0]))
+                entries.append(group)
+        else:
+            entries.append([rec])
+    return entries
+
+
+def _hosts(recs: list[RankRecord]) -> str:
+    hosts = sorted({r.host for r in recs})
+    return ", ".join(hosts) if len(hosts) <= 3 else f"{len(hosts)} hosts"
 
 
 def build_report(
@@ -140,7 +185,9 @@ def build_report(
     """The failure report, and the one-line root cause it names.
 
     Each attempt lists every rank's outcome; the first failure of each attempt also shows the
-    tail of its output, unless an earlier attempt already showed the same error.
+    tail of its output, unless an earlier attempt already showed the same error. From
+    :data:`GROUP_MIN` on, ranks that ended alike (the same outcome and stack, numbers aside) are
+    one entry with one stack, so that the report of a gang of hundreds stays short.
     """
     root = root_cause(records)
     root_line = f"attempt {root.attempt}, {root.summary()}" if root else "no rank reported a failure"
@@ -153,7 +200,18 @@ def build_report(
         recs = sorted(by_attempt[attempt], key=lambda r: r.rank)
         attempt_root = root_cause(recs)
         lines.append(f"Attempt {attempt}:")
-        for rec in recs:
+        for entry in _entries(recs, attempt_root):
+            rec = entry[0]
+            if len(entry) > 1:
+                lines.append(f"  ranks {rank_ranges([r.rank for r in entry])} ({len(entry)} ranks on "
+                             f"{_hosts(entry)}; numbers may differ): {rec.outcome()}" + (f": {rec.error}" if rec.error else ""))
+                walls = sorted(r.failed_wall for r in entry if r.failed and r.failed_wall is not None)
+                if walls:
+                    lines.append(f"    failed from {wall_time(walls[0])} to {wall_time(walls[-1])} (their hosts' clocks)")
+                if rec.stack:
+                    lines.append(f"    stack of each {rec.stack_when or 'before it was stopped'} (rank {rec.rank}'s):")
+                    lines.extend(f"    | {line}" for line in trim_stack(rec.stack))
+                continue
             marker = "  <- first failure of this attempt" if rec is attempt_root else ""
             lines.append(f"  {rec.summary()}{marker}")
             key = error_key(rec.error or rec.outcome())
@@ -167,15 +225,17 @@ def build_report(
                 pid = f" (pid {rec.pid})" if rec.pid else ""
                 lines.append(f"    stack of rank {rec.rank}{pid} {rec.stack_when or 'before it was stopped'}:")
                 lines.extend(f"    | {line}" for line in trim_stack(rec.stack))
-    groups: dict[str, list[str]] = defaultdict(list)
+    groups: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
         if rec.failed:
-            groups[error_key(rec.error or rec.outcome())].append(f"attempt {rec.attempt} rank {rec.rank}")
-    repeated = {err: where for err, where in groups.items() if len(where) > 1}
+            groups[error_key(rec.error or rec.outcome())][rec.attempt].append(rec.rank)
+    repeated = {err: where for err, where in groups.items() if sum(map(len, where.values())) > 1}
     if repeated:
         lines.append("Identical errors (numbers shown as N):")
         for err, where in repeated.items():
-            lines.append(f"  {len(where)}x {err}  [{', '.join(where)}]")
+            places = ", ".join(f"attempt {a} rank {ranks[0]}" if len(ranks) == 1 else f"attempt {a} ranks {rank_ranges(ranks)}"
+                               for a, ranks in sorted(where.items()))
+            lines.append(f"  {sum(map(len, where.values()))}x {err}  [{places}]")
     if spark_error:
         first = spark_error.strip().splitlines()[0] if spark_error.strip() else ""
         lines.append(f"Spark said: {first[:500]}")

@@ -73,3 +73,30 @@ def test_a_long_stack_keeps_the_innermost_frames_of_each_thread_and_is_capped() 
     assert "level_0" in "\n".join(lines) and "level_4" in "\n".join(lines)
     assert "level_5" not in "\n".join(lines) and "  ... 35 outer frame(s) not shown" in lines
     assert len(trim_stack(dump, frames=40, max_lines=10)) == 11
+
+
+def test_a_gang_of_1024_stopped_in_one_collective_reads_as_one_entry_with_one_stack() -> None:
+    t, wall = time.monotonic(), 1_790_000_000.0
+
+    def waiting(rank: int, where: str = "all_reduce") -> str:
+        # The same place in every rank; the thread ids differ, as they do.
+        return (f"Current thread 0x{0x7F0000 + rank:08x} (most recent call first):\n"
+                f'  File "/torch/distributed/distributed_c10d.py", line 2501 in {where}\n'
+                '  File "/app/train.py", line 40 in train\n')
+
+    records = [RankRecord(attempt=0, rank=0, host="h0", pid=100, exit_code=1, state="failed",  # type: ignore[arg-type]
+                          failed_at=t, failed_wall=wall, error="ValueError: bad batch 17", tail=["boom"])]
+    for rank in range(1, 1024):
+        records.append(RankRecord(attempt=0, rank=rank, host=f"h{rank // 8}", pid=100 + rank, state="running",  # type: ignore[arg-type]
+                                  stack=waiting(rank, "barrier" if rank == 512 else "all_reduce"),
+                                  stack_when="before it was stopped"))
+    report, root = build_report(records, headline="failed", hint="fix it")
+    lines = report.splitlines()
+    assert root.startswith("attempt 0, rank 0 on h0 (pid 100)")
+    assert len(lines) < 40, report
+    # One entry and one stack for the 1,022 alike, the odd one out on its own, the root cause first.
+    assert "  rank 0 on h0 (pid 100): exited with code 1: ValueError: bad batch 17  <- first failure of this attempt" in lines
+    group = next(line for line in lines if line.startswith("  ranks "))
+    assert group.startswith("  ranks 1-511, 513-1023 (1022 ranks on 128 hosts"), group
+    assert report.count("in all_reduce") == 1 and report.count("in barrier") == 1
+    assert any(line.startswith("  rank 512 on h64 (pid 612)") for line in lines), report
