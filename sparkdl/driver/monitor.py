@@ -205,10 +205,13 @@ class Monitor:
             self._partial[pkey] = self._partial.get(pkey, "") + msg.text
             return
         line = self._partial.pop(pkey, "") + msg.text
-        with self.cond:
-            rec = self.records.get((attempt, rank))
-            if rec is not None and self.cfg.log_tail_lines:
-                rec.tail.append(line)
+        # Without ``cond``: a rank's lines come on its own connection's thread only, which alone
+        # writes its tail, and the report reads a list that is always whole. Every channel thread
+        # taking the one lock for every line made a gang of 64 spend most of its time waiting on it.
+        rec = self.records.get((attempt, rank))
+        if rec is not None and self.cfg.log_tail_lines:
+            rec.tail.append(line)
+            if len(rec.tail) > self.cfg.log_tail_lines:
                 del rec.tail[: -self.cfg.log_tail_lines]
         self.output.line(attempt, rank, msg.stream, line)
 

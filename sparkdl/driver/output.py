@@ -107,9 +107,10 @@ class RankOutput:
                 if self._console_chars + len(tagged) > self._backlog_chars:
                     self._not_shown += 1
                 else:
+                    if not self._console:  # the writer waits only on an empty queue
+                        self._lock.notify_all()
                     self._console.append((stream, tagged))
                     self._console_chars += len(tagged)
-                    self._lock.notify_all()
 
     # ---- the threads ------------------------------------------------------------------------
 

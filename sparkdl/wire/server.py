@@ -31,6 +31,7 @@ from sparkdl.wire.channel import (
 # Connections allowed in the handshake at once. A genuine task is there for one round trip (it
 # authenticates inside connect()), so even a large gang that connects at once holds few places.
 MAX_UNAUTHENTICATED_CONNECTIONS = 128
+LISTEN_BACKLOG = 4096
 # accept() errors that concern one connection only (it was reset while queued): try again at once.
 _ACCEPT_RETRY_AT_ONCE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
 _ACCEPT_BACKOFF_MIN_S = 0.01
@@ -69,7 +70,10 @@ class ChannelServer:
         self._handshake_timeout_s = handshake_timeout_s
         self._max_unauthenticated = max_unauthenticated
         self._backoff_max_s = max(accept_backoff_max_s, _ACCEPT_BACKOFF_MIN_S)
-        self._listener = socket.create_server((host, 0), backlog=128)
+        # Every task of a gang connects within moments of the others: a queue shorter than the gang
+        # drops connections the tasks take as made, and they wait for a nonce that never comes
+        # (seen at 1,024 tasks with 128). The kernel caps it at net.core.somaxconn.
+        self._listener = socket.create_server((host, 0), backlog=LISTEN_BACKLOG)
         # accept() polls so that close() never waits on a blocked accept.
         self._listener.settimeout(0.2)
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])

@@ -1,0 +1,30 @@
+"""The driver of a gang of 256: check-in, every line and metric of a burst, and a short failure
+report, against the real channel, monitor, output sinks and report (tools/driver_load.py plays the
+tasks in a child process, one real connection each). benchmarks/bench_driver_scale.py measures
+the same at 64, 256 and 1,024 ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import driver_load
+import pytest
+
+RANKS = 256
+
+
+def test_256_ranks_check_in_and_every_line_and_metric_of_a_burst_arrives_whole_and_once(tmp_path: Path) -> None:
+    measured = driver_load.drive(driver_load.Load(RANKS, lines=200, metrics=10, timeout_s=240), tmp_path)
+    assert measured.problems == []
+    assert measured.lines == RANKS * 200 and measured.metrics == RANKS * 10
+
+
+@pytest.mark.fault
+def test_a_gang_of_256_with_one_failure_gives_a_short_report_with_every_stack_in(tmp_path: Path) -> None:
+    measured = driver_load.drive(driver_load.Load(RANKS, lines=5, metrics=1, fail=True, timeout_s=240), tmp_path)
+    assert measured.problems == []
+    report = measured.report or ""
+    assert "rank 0 on sim-host-0 (pid 200000): exited with code 1: ValueError: bad batch 17" in report, report
+    # The 255 ranks stopped in the same collective: one entry, one stack.
+    assert f"ranks 1-{RANKS - 1} ({RANKS - 1} ranks on 32 hosts" in report, report
+    assert report.count("in all_reduce") == 1 and (measured.report_lines or 0) < 30, report
