@@ -190,11 +190,11 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         # A directory the user named stops the run here; the default one only its first save.
         strict = payload.checkpoints is not None and payload.checkpoints.strict
         hello = Hello(host, os.getpid(), tid, unshared if strict else None)
-        not_shared = f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}"
+        refusal = f"sparkdl rank {rank} on {host}: the checkpoint directory is not shared: {unshared}"
         if conn is not None:
             link.send(hello)
             if unshared is not None and strict:
-                raise RankFailed(not_shared)
+                raise RankFailed(refusal)
         port = listener.getsockname()[1] if listener else None
         me = {"host": host, "port": port, "tid": tid, "direct": conn is not None, "hub": hub.port if hub else None,
               "mpi": mpi.port if mpi else None, "unshared": unshared}
@@ -214,7 +214,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
         try:
             assert conn is not None
             if relayed and unshared is not None and strict:
-                raise RankFailed(not_shared)
+                raise RankFailed(refusal)
             # PySpark tasks cannot see their stage attempt number; the driver numbers attempts by the
             # set of task ids that formed each gang, which every rank of a gang reports identically.
             link.send(Gang(tuple(sorted(m["tid"] for m in members))))
