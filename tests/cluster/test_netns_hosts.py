@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from resources.digits_jobs import check_scored, check_trained
 
 ROOT = REPO
 DRIVER = ROOT / "tests" / "resources" / "netns_driver.py"
@@ -213,27 +214,14 @@ def test_the_jobs_by_spark_submit(cluster: Any) -> None:
     train = submit("train", "--data", str(data), "--model", str(model), "--epochs", "5", "--min-accuracy", "0.85")
     # No dataset yet: the job ran the ETL job first, into storage both hosts read.
     assert "1445 training rows" in train.stdout and (data / "train" / "_sparkdl_manifest.json").is_file()
-    summary = json.loads((model / "summary.json").read_text())
-    assert summary["accuracy"] >= 0.85 and summary["test_rows"] == 352
-    assert summary["num_workers"] == 2 and summary["attempts"] == 1
-    assert summary["epoch_loss"][-1] < summary["epoch_loss"][0] / 4
-    metrics = [json.loads(line) for line in (model / "metrics.jsonl").read_text().splitlines()]
-    assert {m["rank"] for m in metrics} == {0, 1}
-    # spark-submit's PythonRunner merges the Python driver's stderr into its stdout.
-    assert "sparkdl progress:" in train.stdout + train.stderr
+    summary = check_trained(model, train.stdout + train.stderr)
     # The application had an executor on each host.
     apps = finished("sparkdl-train-digits")
     assert apps and apps[0]["cores"] == 2, apps
 
     inference = submit("inference", "--model", str(model), "--input", str(data / "test"), "--output", str(out))
     assert "352 rows" in inference.stdout
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(out)
-    assert table.num_rows == 352 and {"id", "features", "label", "prediction"} <= set(table.column_names)
-    labels, predictions = table.column("label").to_pylist(), table.column("prediction").to_pylist()
-    accuracy = sum(float(a) == b for a, b in zip(labels, predictions, strict=True)) / len(labels)
-    assert accuracy == pytest.approx(summary["accuracy"])
+    check_scored(out, summary)
     _nothing_left(cluster)
 
 

@@ -15,7 +15,6 @@ of this module on two hosts instead, and this module is skipped unless ``--every
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import psutil
 import pytest
 import standalone_cluster as sc_mod
 from conftest import REPO
+from resources.digits_jobs import check_scored, check_trained
 
 ROOT = REPO
 FAKE_GPUS = ROOT / "tests" / "resources" / "fake-gpus.sh"
@@ -112,27 +112,14 @@ def test_jobs_via_spark_submit(cluster: Any, tmp_path: Path) -> None:
 
     train = submit(cluster, "train", "--data", str(data), "--model", str(model), "--epochs", "5",
                    "--min-accuracy", "0.85")
-    summary = json.loads((model / "summary.json").read_text())
-    assert summary["accuracy"] >= 0.85 and summary["test_rows"] == 352
-    assert summary["num_workers"] == 2 and summary["attempts"] == 1
-    assert summary["epoch_loss"][-1] < summary["epoch_loss"][0] / 4
-    metrics = [json.loads(line) for line in (model / "metrics.jsonl").read_text().splitlines()]
-    assert {m["rank"] for m in metrics} == {0, 1}
-    # spark-submit's PythonRunner merges the Python driver's stderr into its stdout.
-    assert "sparkdl progress:" in train.stdout + train.stderr
+    summary = check_trained(model, train.stdout + train.stderr)
     # The two ranks ran as tasks of executors on both workers.
     assert wait_finished(cluster, "sparkdl-train-digits", 1)[0]["cores"] == 2
 
     inference = submit(cluster, "inference", "--model", str(model), "--input", str(data / "test"),
                        "--output", str(out))
     assert "352 rows" in inference.stdout
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(out)
-    assert table.num_rows == 352 and {"id", "features", "label", "prediction"} <= set(table.column_names)
-    labels, predictions = table.column("label").to_pylist(), table.column("prediction").to_pylist()
-    accuracy = sum(float(a) == b for a, b in zip(labels, predictions, strict=True)) / len(labels)
-    assert accuracy == pytest.approx(summary["accuracy"])
+    check_scored(out, summary)
 
 
 def test_doctor_reports_both_executors_the_gpus_and_missing_slots(cluster: Any) -> None:
