@@ -74,20 +74,17 @@ class RankOutput:
         self._console_busy = False  # a batch is being written
         self._not_shown = 0  # lines past the backlog, or left when close gave up
         self._gave_up = False
-        self._threads: list[threading.Thread] = []
+        self._files: threading.Thread | None = None
         if log_dir is not None:
             try:
                 log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             except OSError as exc:
                 self._file_error = f"{type(exc).__name__}: {exc}"
-            self._start(self._write_files, "sparkdl-rank-files")
+            self._files = threading.Thread(target=self._write_files, name="sparkdl-rank-files", daemon=True)
+            self._files.start()
         if echo:
-            self._start(self._write_console, "sparkdl-rank-console")
-
-    def _start(self, target: object, name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
-        thread.start()
-        self._threads.append(thread)
+            # Never joined: a console blocked in a write must not hold the run (see close).
+            threading.Thread(target=self._write_console, name="sparkdl-rank-console", daemon=True).start()
 
     def line(self, attempt: int, rank: int, stream: str, text: str) -> None:
         """One whole line (without its newline) of ``rank``'s stdout (``stream="o"``) or stderr."""
@@ -189,9 +186,8 @@ class RankOutput:
                     self._gave_up = True
                     break
                 self._lock.wait(left)
-        for thread in self._threads:
-            if thread.name == "sparkdl-rank-files":
-                thread.join()  # local file writes: bounded by the disk, not by a reader
+        if self._files is not None:
+            self._files.join()  # local file writes: bounded by the disk, not by a reader
         return Undelivered(console=self._not_shown, files=self._files_lost, file_error=self._file_error)
 
     def say(self, undelivered: Undelivered, timeout_s: float) -> None:

@@ -176,10 +176,11 @@ def launch(
     run_id = secrets.token_hex(6)
     run_dir = cluster.run_dir(conf, run_id)
     store = CheckpointStore(checkpoint_dir or f"{run_dir}/checkpoints", keep=cfg.keep_checkpoints)
-    metrics = MetricsLog(cluster.local_metrics_path(run_dir, run_id))
+    metrics_path = cluster.local_metrics_path(run_dir, run_id)
+    metrics = MetricsLog(metrics_path)
     progress = Progress(cfg.progress_interval_s, cfg.progress)
     # Beside the metrics: on the driver's own disk, where the user looks (the run dir may be remote).
-    output = RankOutput(cluster.local_metrics_path(run_dir, run_id).parent / "logs", echo=cfg.echo_logs)
+    output = RankOutput(metrics_path.parent / "logs", echo=cfg.echo_logs)
     monitor = Monitor(num_workers, attempts_allowed, cfg, store, metrics, progress, output=output)
     mlflow_on = cluster.mlflow_enabled(conf, cfg)
     spec = RunSpec(run_id=run_id, world_size=num_workers, backend=backend, use_gpu=gpu,
