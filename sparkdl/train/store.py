@@ -87,7 +87,6 @@ class CheckpointStore:
         (it holds objects of classes other than tensors, numbers, strings and containers) is
         refused now, with a :class:`SparkDLError` naming them, and nothing is written.
         """
-        self.check_writable()
         return self.commit((self.latest() or 0) + 1, obj, weights_only=weights_only)
 
     def commit(self, seq: int, obj: Any, *, weights_only: bool = False, shards: str | None = None) -> int:
