@@ -113,7 +113,12 @@ class TorchDistributor:
         GpuConfigError: (a ``ConfigError`` and a ``RuntimeError``) ``use_gpu=True`` and the active
             session's GPU confs are unset, or ``num_processes`` is not a multiple of
             ``spark.task.resource.gpu.amount``.
-        ConfigError: (a ``ValueError``) ``num_processes`` is not an integer >= 1.
+        ConfigError: (a ``ValueError``) ``num_processes`` is not an integer >= 1 ("has to be a
+            positive integer", in Spark's words too).
+
+    Attributes:
+        input_params: ``num_processes``, ``local_mode``, ``use_gpu`` and ``num_tasks``, as in
+            Spark's class.
 
     Example::
 
@@ -135,15 +140,24 @@ class TorchDistributor:
         *,
         config: RunConfig | None = None,
     ) -> None:
+        positive = (f"TorchDistributor(num_processes={num_processes!r}): num_processes has to be a positive "
+                    "integer (>= 1): the number of processes (ranks) in all")
         if not is_int(num_processes):
-            raise ConfigError(f"TorchDistributor(num_processes={num_processes!r}): must be an integer >= 1")
+            raise ConfigError(positive)
         self.local_mode = local_mode
         self.use_gpu = use_gpu
         self._config = config
         # Spark's order: the GPU confs first, then the number of processes.
         self.num_processes = _gpu_processes(num_processes, local_mode) if use_gpu else num_processes
         if self.num_processes < 1:
-            raise ConfigError(f"TorchDistributor(num_processes={num_processes!r}): must be an integer >= 1")
+            raise ConfigError(positive)
+        # Spark's class: one Spark task per process (sparkdl runs one rank per task).
+        self.num_tasks = self.num_processes
+        # Public in Spark's class: the settings its run passes on.
+        self.input_params: dict[str, Any] = {
+            "num_processes": self.num_processes, "local_mode": local_mode, "use_gpu": use_gpu,
+            "num_tasks": self.num_tasks,
+        }
 
     def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Runs ``train_object``: a function, as ``train_object(*args, **kwargs)`` (returns rank 0's

@@ -20,8 +20,10 @@ class BackendUnavailableError(SparkDLError):
     """The chosen distributed backend cannot run here (not installed, or built without a feature)."""
 
 
-class InsufficientSlotsError(SparkDLError):
-    """The cluster cannot run all ranks of a gang at once."""
+class InsufficientSlotsError(SparkDLError, RuntimeError):
+    """The cluster cannot run all ranks of a gang at once.
+
+    Also a ``RuntimeError``, as every failure of a run is (see :class:`RunFailedError`)."""
 
     def __init__(self, message: str, *, required: int, available: int) -> None:
         super().__init__(message)
@@ -36,8 +38,12 @@ def _rebuild_slots_error(message: str, required: int, available: int) -> Insuffi
     return InsufficientSlotsError(message, required=required, available=available)
 
 
-class RunFailedError(SparkDLError):
-    """A run failed on every attempt it was allowed; ``report`` holds the per-attempt report."""
+class RunFailedError(SparkDLError, RuntimeError):
+    """A run failed on every attempt it was allowed; ``report`` holds the per-attempt report.
+
+    Also a ``RuntimeError``: Spark's ``TorchDistributor`` and Databricks' ``HorovodRunner`` raise
+    one when training fails, so ``except RuntimeError:`` in code written for them still catches it.
+    """
 
     def __init__(self, report: str, *, attempts: int, root_cause: str) -> None:
         super().__init__(report)

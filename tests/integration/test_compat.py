@@ -139,11 +139,22 @@ def test_torch_distributor_constructor_refuses_like_sparks(  # type: ignore[no-u
         if raised is None:
             assert sparkdl.TorchDistributor(**kwargs).num_processes == SparkTD(**kwargs).num_processes == 4
             return
-        with pytest.raises(raised):
+        with pytest.raises(raised) as theirs:
             SparkTD(**kwargs)
         with pytest.raises(raised, match=ours_says) as ours:
             sparkdl.TorchDistributor(**kwargs)
     assert isinstance(ours.value, sparkdl.ConfigError)
+    # Spark's own tests match its words for num_processes; ours say them too.
+    if "positive integer" in str(theirs.value):
+        assert "num_processes has to be a positive integer" in str(ours.value)
+
+
+def test_torch_distributor_input_params_are_sparks(spark) -> None:  # type: ignore[no-untyped-def]
+    from pyspark.ml.torch.distributor import TorchDistributor as SparkTD
+
+    for kwargs in ({"num_processes": 3, "local_mode": False, "use_gpu": False},
+                   {"num_processes": 2, "local_mode": True, "use_gpu": False}):
+        assert sparkdl.TorchDistributor(**kwargs).input_params == SparkTD(**kwargs).input_params
 
 
 def fails_on_rank_1() -> None:
@@ -156,8 +167,10 @@ def fails_on_rank_1() -> None:
 
 
 def test_local_mode_failure_gives_the_report_and_leaves_nothing(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(sparkdl.RunFailedError, match=r"Root cause: attempt 0, rank 1 .*ValueError: rank 1 is broken"):
+    # Caught as a RuntimeError, as code written for Spark's class catches its failures.
+    with pytest.raises(RuntimeError, match=r"Root cause: attempt 0, rank 1 .*ValueError: rank 1 is broken") as info:
         sparkdl.TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(fails_on_rank_1)
+    assert isinstance(info.value, sparkdl.RunFailedError)
 
 
 def visible_gpus() -> list[str]:
