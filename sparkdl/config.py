@@ -42,7 +42,9 @@ class RunConfig:
             with the driver. Busy task slots make a barrier stage wait; this turns the wait into an
             error.
         slot_wait_s: how long to wait for executors to register before deciding that the cluster
-            has too few task slots for ``num_workers``.
+            has too few task slots for ``num_workers`` (also when Spark refuses the gang's barrier
+            stage because they have not registered yet: a run right after the session started,
+            over Spark Connect).
         collective_timeout_s: timeout of the process group that sparkdl creates (and of a user's
             own ``init_process_group`` call without a timeout): a rank that waits this long in a
             collective fails, and the gang reruns.

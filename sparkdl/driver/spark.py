@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy, relay
-from sparkdl.driver.failure import failure
+from sparkdl.driver.failure import failure, slots_refused, too_few_slots
 from sparkdl.driver.launcher import Job, Launcher
 from sparkdl.driver.monitor import Monitor
 from sparkdl.errors import (
@@ -45,6 +45,8 @@ _SERVER_POLL_S = 2.0
 _SERVER_DOWN_S = 10.0
 # Once a Spark job ended, the longest wait for its tasks' connections to be read to their end.
 _DRAIN_S = 10.0
+# How long the driver waits before it submits again a job that Spark refused for too few slots.
+_SLOTS_RETRY_S = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -81,6 +83,7 @@ class SparkLauncher(Launcher):
                                   channel=mode, hub=relay.Hub if mode != "direct" else None)
             job_index = 0
             watch = _SlotWatch(api)
+            slots_until = time.monotonic() + cfg.slot_wait_s
             try:
                 while True:
                     before = monitor.attempts_seen()
@@ -95,6 +98,19 @@ class SparkLauncher(Launcher):
                                     "of each attempt (spark.sparkdl.channel=%s)", why, mode)
                     if outcome.result is not None:
                         return outcome.result
+                    if before == 0 and outcome.verdict is None and slots_refused(outcome.error):
+                        # Spark refused the barrier stage for too few slots before any task ran:
+                        # executors still registering (over Spark Connect the driver cannot count
+                        # them first). Spark's own rechecks do not cover a stage submitted by
+                        # adaptive execution, so the job is submitted again, within slot_wait_s.
+                        if time.monotonic() + _SLOTS_RETRY_S > slots_until:
+                            raise too_few_slots(job.run.world_size, cfg.slot_wait_s, api.master)
+                        if job_index == 1:
+                            log.warning("sparkdl: Spark refused the gang's barrier stage: the cluster has fewer "
+                                        "than %d task slots yet (executors still registering?); submitting it "
+                                        "again until slot_wait_s=%g s", job.run.world_size, cfg.slot_wait_s)
+                        time.sleep(_SLOTS_RETRY_S)
+                        continue
                     if monitor.attempts_seen() == before and outcome.verdict is None and before > 0:
                         # No gang formed in this job (its tasks failed before they reported): another
                         # job would fail the same way.

@@ -9,6 +9,8 @@ py4j, only gRPC. Connect is tested on the modern stack (pyspark 4); the classic 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO, wait_ended, wait_for_pids
-from connect_server import ConnectServer
+from connect_server import ConnectServer, connect_available
 
 ROOT = REPO
 CLIENT = ROOT / "tests" / "resources" / "connect_client.py"
@@ -41,6 +43,9 @@ def test_ddp_over_connect_resumes_a_sigkilled_rank_bitwise_equal(connect_server:
     assert r["rows"] == [320, 320]  # written by write_dataset over Connect, and reopened
     first, again, other = r["cached"]
     assert first == again != other  # write_dataset(df) without a path: its plan cache over Connect
+    # Its array column's lengths were read back from the cache's hidden staging directory by file,
+    # without Spark's warning that it ignores such a directory.
+    assert "All paths were ignored" not in connect_server.log.read_text(errors="replace")
     faulted, clean = r["faulted"], r["clean"]
     # Rank 1 was SIGKILLed at step 7 of attempt 0: Spark reran the gang, which resumed from the
     # checkpoint of step 4 (the run's first).
@@ -76,6 +81,63 @@ def test_the_drop_ins_run_over_connect_like_sparks(connect_server: ConnectServer
     assert r["hvd"] == 10.0
     # Spark ML's own checks run over Connect too (tests/e2e/test_connect_ml.py trains and scores).
     assert "does not match labelCol='y'" in r["estimator"], r["estimator"]
+
+
+SLOW_EXECUTORS = """
+import sys, time
+from pyspark.sql import SparkSession
+import sparkdl
+
+spark = SparkSession.builder.remote("local-cluster[2,1,1024]").config("spark.ui.enabled", "false").getOrCreate()
+
+def train(scale):
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1) * scale])
+    dist.all_reduce(t)
+    return t.item()
+
+started = time.monotonic()
+try:  # the executors start 5 s late: none has registered yet
+    sparkdl.run(train, 1.0, num_workers=2, config=sparkdl.RunConfig(slot_wait_s=1))
+except RuntimeError as exc:
+    print("REFUSED", type(exc).__name__, round(time.monotonic() - started, 1), str(exc).replace("\\n", " "))
+cfg = sparkdl.RunConfig(slot_wait_s=60)
+value = sparkdl.TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, config=cfg).run(train, 2.0)
+print("VALUE", value)
+spark.stop()
+"""
+
+
+def test_a_run_right_after_the_session_waits_for_the_executors_over_connect(tmp_path: Path) -> None:
+    # A Connect session's builder returns before the executors registered (as in Spark's own
+    # TorchDistributor tests); Spark refuses a barrier stage submitted then (SPARK-24819).
+    if reason := connect_available():
+        pytest.skip(reason)
+    java = Path(shutil.which("java") or pytest.skip("no java on PATH")).resolve()
+    home = tmp_path / "jdk"
+    (home / "bin").mkdir(parents=True)
+    for entry in java.parent.parent.iterdir():
+        if entry.name != "bin":
+            (home / entry.name).symlink_to(entry)
+    # The executor JVMs start 5 s late (the worker launches them with $JAVA_HOME/bin/java).
+    (home / "bin" / "java").write_text(
+        f'#!/bin/sh\ncase " $* " in *CoarseGrainedExecutorBackend*) sleep 5;; esac\nexec {java} "$@"\n')
+    (home / "bin" / "java").chmod(0o755)
+    script = tmp_path / "slow_executors.py"
+    script.write_text(SLOW_EXECUTORS)
+    env = {**os.environ, "JAVA_HOME": str(home), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
+                         cwd=tmp_path)
+    found = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.stdout.splitlines()
+             if line.startswith(("REFUSED ", "VALUE "))}
+    assert out.returncode == 0 and "VALUE" in found, out.stdout[-3000:] + out.stderr[-5000:]
+    # Refused after slot_wait_s (1 s), with the setting named, as a RuntimeError...
+    kind, elapsed, message = found["REFUSED"].split(" ", 2)
+    assert kind == "InsufficientSlotsError" and 1 <= float(elapsed) < 10, found
+    assert "SPARK-24819" in message and "RunConfig.slot_wait_s" in message
+    # ...and within a longer one, the drop-in waited for the executors and ran on both.
+    assert float(found["VALUE"]) == (1 + 2) * 2.0
 
 
 @pytest.mark.spoils_connect_server(
