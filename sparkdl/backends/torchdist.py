@@ -8,11 +8,16 @@ process group, unless the run's config says not to.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
+import sys
 from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
-from sparkdl.errors import BackendUnavailableError
+from sparkdl.errors import BackendUnavailableError, ConfigError
 from sparkdl.rankspec import GangSpec, RankSpec, read_fd
 
 
@@ -60,6 +65,8 @@ class TorchBackend:
         # init_process_group() from the environment then connects to that store as a client.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         _install_init_hook(timeout, use_cuda)
+        if spec.world_size > 1:
+            _refuse_horovod_init(spec.world_size)
         if spec.init_process_group:
             backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
             _ORIGINAL_INIT[0](backend=backend, timeout=timeout)
@@ -106,6 +113,51 @@ def _install_init_hook(default_timeout: timedelta, use_cuda: bool) -> None:
 
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
+
+
+_HOROVOD_BASICS = "horovod.common.basics"
+
+
+def _refuse_horovod_init(world_size: int) -> None:
+    """Makes Horovod's ``init()`` (``hvd.init()`` of any framework) raise a ConfigError naming
+    ``backend='horovod'``: under this backend it finds no Horovod job of the gang's ranks and
+    would run one of its own, of one process, in every rank, each training alone on its data.
+
+    Horovod is patched when (if ever) the rank imports it; nothing is imported here."""
+
+    def refuse(module: ModuleType) -> None:
+        def init(*args: Any, **kwargs: Any) -> None:
+            raise ConfigError(
+                f"Horovod's init() was called under backend='torch': each of the {world_size} ranks "
+                "would run a Horovod job of its own, of one process. Run this code with backend='horovod' "
+                "(sparkdl.run(..., backend='horovod'), sparkdl run --backend horovod, HorovodRunner), "
+                "which makes the ranks one Horovod job; or use torch.distributed (sparkdl.context())"
+            )
+
+        module.HorovodBasics.init = init
+
+    if _HOROVOD_BASICS in sys.modules:
+        refuse(sys.modules[_HOROVOD_BASICS])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+            if name != _HOROVOD_BASICS:
+                return None
+            sys.meta_path.remove(self)  # the real spec, found by the other finders; once
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_module(module: ModuleType) -> None:
+                execute(module)
+                refuse(module)
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, Finder())
 
 
 def _all_ranks_connected(use_cuda: bool) -> None:

@@ -3,12 +3,16 @@
 Every rank runs the script as ``__main__`` with the command's ``sys.argv``, as ``torchrun``
 would; the exit status says how the run ended (see :mod:`sparkdl.cli`). With ``--remote`` the
 command is a Spark Connect client: the ranks run on the server's executors and their output
-comes back over sparkdl's channel to this process, as from a classic session.
+comes back over sparkdl's channel to this process, as from a classic session. ``--backend
+horovod`` runs a script written for ``horovodrun`` (``hvd.init()``) as one Horovod job; a script
+that calls Horovod's ``init()`` is refused under the torch backend, where each rank would train
+alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 from collections.abc import Mapping
@@ -46,6 +50,35 @@ def run_script(source: str, path: str, argv: list[str], cwd: str) -> None:
     run_script_source(source, path, argv)
 
 
+def horovod_init_line(source: str) -> int | None:
+    """The line where a script calls Horovod's ``init()`` (``hvd.init()`` after ``import
+    horovod.torch as hvd``, or ``init()`` imported from ``horovod.*``), None when it does not
+    (or cannot be parsed: the ranks then report the syntax error)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    modules: set[str] = set()  # names bound to horovod modules
+    functions: set[str] = set()  # names bound to horovod's init
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "horovod" or alias.name.startswith("horovod."):
+                    modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "horovod":
+            for alias in node.names:
+                (functions if alias.name in ("init", "*") else modules).add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and (func.id in functions or (func.id == "init" and "*" in functions)):
+            return node.lineno
+        if isinstance(func, ast.Attribute) and func.attr == "init" and ast.unparse(func.value) in modules:
+            return node.lineno
+    return None
+
+
 def _session(args: argparse.Namespace, script: Path, confs: Mapping[str, str]) -> SparkSession:
     # One seam for the session, which tests replace to check exit statuses without a JVM.
     return cli_session(args, confs, f"sparkdl-run-{script.name}", f"local[{args.num_workers}]")
@@ -59,6 +92,13 @@ def run_command(args: argparse.Namespace) -> int:
     # What goes to stderr below is the command's answer to its user, not a diagnostic.
     if not path.is_file():
         print(f"sparkdl run: {args.script}: no such file", file=sys.stderr)
+        return EXIT_USAGE
+    source = path.read_text()
+    if args.backend == "torch" and args.num_workers > 1 and (line := horovod_init_line(source)):
+        print(f"sparkdl run: {args.script} calls Horovod's init() (line {line}): with --backend torch each "
+              f"of the {args.num_workers} ranks would run a Horovod job of its own, of one process, on all "
+              "the data. Add --backend horovod to run the ranks as one Horovod job, as horovodrun does",
+              file=sys.stderr)
         return EXIT_USAGE
     try:
         config = sparkdl.RunConfig(
@@ -79,8 +119,8 @@ def run_command(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     try:
         sparkdl.run(
-            run_script, path.read_text(), str(path.resolve()), list(args.script_args), os.getcwd(),
-            num_workers=args.num_workers, use_gpu=args.gpu, config=config, spark=spark,
+            run_script, source, str(path.resolve()), list(args.script_args), os.getcwd(),
+            num_workers=args.num_workers, backend=args.backend, use_gpu=args.gpu, config=config, spark=spark,
         )
     except sparkdl.RunTimeoutError as exc:
         print(exc, file=sys.stderr)

@@ -90,6 +90,30 @@ def test_run_a_torchrun_script_on_two_spark_workers_with_a_rerun(tmp_path: Path,
     assert "[rank 1, attempt 1] rank 1 of 2: sum 3.0" in out.stdout
 
 
+HOROVOD_SCRIPT = '''\
+"""Written for horovodrun: hvd.init(), a shard by hvd.rank(), an allreduce."""
+import horovod.torch as hvd
+import torch
+
+hvd.init()
+total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+print(f"horovod rank {hvd.rank()} of {hvd.size()}: sum {total.item()}", flush=True)
+'''
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(240)
+def test_run_a_horovodrun_script_as_one_horovod_job(tmp_path: Path, no_leaks: None) -> None:
+    pytest.importorskip("horovod.torch")
+    (tmp_path / "hvd_train.py").write_text(HOROVOD_SCRIPT)
+    out = sparkdl("run", "-n", "2", "--backend", "horovod", "--timeout", "120", "--conf", "spark.ui.enabled=false",
+                  "hvd_train.py", cwd=tmp_path, timeout=220)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    # One job of two ranks, not two jobs of one (which --backend torch refuses: test_cli_usage.py).
+    assert "[rank 0] horovod rank 0 of 2: sum 3.0" in out.stdout, out.stdout[-3000:]
+    assert "[rank 1] horovod rank 1 of 2: sum 3.0" in out.stdout
+
+
 # ---- Horovod's MPI controller (RunConfig(horovod_controller='mpi')): optional, so info at most ----
 
 

@@ -50,6 +50,15 @@ def test_horovod_and_ddp_converge_to_the_same_weights(spark, no_leaks) -> None: 
     assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1"
 
 
+def test_horovod_code_under_the_torch_backend_fails_naming_the_backend(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    # hvd.init() finds no job of the gang's ranks under backend="torch": each rank would train
+    # alone and rank 0's result come back as if all had. hvd.init() fails instead, and the run
+    # with it, once (a setting: no rerun).
+    with pytest.raises(sparkdl.RunFailedError, match=r"Horovod.s init\(\) was called under backend=.torch.") as info:
+        sparkdl.run(train_horovod, num_workers=2, backend="torch", max_attempts=2, config=CFG)
+    assert info.value.attempts == 1 and "backend='horovod'" in str(info.value)
+
+
 @pytest.mark.fault
 @pytest.mark.parametrize("how", ["raise", "sigkill"])
 def test_a_failed_horovod_rank_reruns_the_gang(spark, no_leaks, how: str) -> None:  # type: ignore[no-untyped-def]

@@ -96,6 +96,33 @@ def test_run_exit_status(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error:
     assert Stopped.stopped
 
 
+@pytest.mark.parametrize(("source", "line"), [
+    ("import horovod.torch as hvd\n\nhvd.init()\n", 3),
+    ("import horovod.torch\nhorovod.torch.init()\n", 2),
+    ("from horovod import torch as hvd\nhvd.init()\n", 2),
+    ("from horovod.torch import init, rank\ninit()\n", 2),
+    ("from horovod.torch import *\ninit()\n", 2),
+    ("def main():\n    import horovod.tensorflow.keras as hvd\n    hvd.init()\n", 3),
+    # Not Horovod's init: torch.distributed's, another module's, an import without a call.
+    ("import torch.distributed as dist\ndist.init_process_group('gloo')\n", None),
+    ("import mylib as hvd\nhvd.init()\n", None),
+    ("try:\n    import horovod.torch as hvd\nexcept ImportError:\n    hvd = None\n", None),
+    ("this is not python(\n", None),
+])
+def test_horovod_init_is_found_in_a_script(source: str, line: int | None) -> None:
+    assert cli_run.horovod_init_line(source) == line
+
+
+def test_run_refuses_a_horovod_script_under_the_torch_backend(tmp_path: Path) -> None:
+    script = tmp_path / "hvd_train.py"
+    script.write_text("import horovod.torch as hvd\nhvd.init()\nprint(hvd.size())\n")
+    out = sparkdl("run", "-n", "2", str(script), cwd=tmp_path)
+    # A usage error before any session: not two one-process Horovod jobs that exit 0.
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "calls Horovod's init() (line 2)" in out.stderr and "--backend horovod" in out.stderr
+    assert cli.build_parser().parse_args(["run", "--backend", "horovod", str(script)]).backend == "horovod"
+
+
 def test_console_script_is_installed() -> None:
     exe = Path(sys.executable).parent / "sparkdl"
     assert exe.is_file(), "pip install -e . creates the sparkdl console script"
