@@ -95,13 +95,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else repr(exc)
 
 
-def _array_lengths(spark: SparkSession, url: str, array_columns: Sequence[str]) -> dict[str, int | None]:
-    """Each array column's length if every row has the same one (and none is null), else None."""
+def _array_lengths(
+    spark: SparkSession, url: str, files: Sequence[str], array_columns: Sequence[str]
+) -> dict[str, int | None]:
+    """Each array column's length if every row has the same one (and none is null), else None.
+
+    Spark reads the ``files`` written under ``url`` by name: the cache writes into a hidden
+    ``.tmp-...`` directory first, which Spark ignores, with a warning, when given the directory."""
     if not array_columns:
         return {}
     from pyspark.sql import functions as F
 
-    written = spark.read.parquet(_spark_url(url))
+    base = _spark_url(url).rstrip("/")
+    written = spark.read.parquet(*(f"{base}/{name}" for name in files))
     aggs = []
     for i, name in enumerate(array_columns):
         col = written[name]
@@ -131,8 +137,8 @@ def finish_manifest(
     The array columns whose every row has one length are recorded with it (Spark reads them
     back to tell); ``key`` is the cache key, or ``None`` for a write to a path.
     """
-    lengths = _array_lengths(spark, url, array_columns)
     base = manifest_from_footers(fs, root, url, None)
+    lengths = _array_lengths(spark, url, [f.path for f in base.files], array_columns)
     columns = tuple(
         ColumnSpec(c.name, c.kind, c.dtype, lengths.get(c.name, c.length)) if c.kind == ARRAY else c
         for c in base.columns
