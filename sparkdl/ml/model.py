@@ -17,6 +17,7 @@ from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 from sparkdl import spark_api
 from sparkdl.errors import ConfigError
 from sparkdl.ml.columns import check_features_type, features_expr
+from sparkdl.ml.modules import dump_module, load_module
 from sparkdl.ml.params import ScoringParams
 from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable, check_connect_client
 from sparkdl.ml.plan import REGRESSION
@@ -58,6 +59,11 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         scored = model.transform(df)                 # adds "prediction"
         model.save("hdfs:///models/net")             # or inside a PipelineModel
         same = sparkdl.TorchModel.load("hdfs:///models/net")
+
+    ``model`` may also be a TorchScript module (``torch.jit.script``, ``torch.jit.trace`` or
+    ``torch.jit.load`` of one), kept in TorchScript's own format. A model of several inputs takes
+    them from one column: assemble them (``VectorAssembler``, or ``F.concat`` of arrays) and give
+    it a ``forward(x)`` that calls the net on ``torch.split(x, sizes, dim=1)``.
 
     The module is kept cloudpickled (on the CPU); ``getModule()`` gives a copy. For a wrapped
     regression model, the first ``transform`` runs the module on one row on the driver (a
@@ -116,14 +122,20 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         return model
 
     def _set_module(self, module: Any) -> None:
-        import cloudpickle
         import torch
 
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module; got {type(module).__name__}")
         # The module is kept as bytes: they are what the executors get, and their hash names the
         # model in each worker's cache.
-        data = cloudpickle.dumps(module, protocol=5)
+        try:
+            data = dump_module(module)
+        except Exception as exc:
+            raise ConfigError(
+                f"model={type(module).__name__} cannot be pickled to reach the executors: {type(exc).__name__}: "
+                f"{exc}. Keep what cannot be pickled (open files, locks, clients) out of the module's "
+                "attributes, or pass a TorchScript module (torch.jit.script or torch.jit.trace of it)"
+            ) from exc
         self._module_bytes = data
         self._model_id = model_id_of(data)
         self._broadcast = None
@@ -161,10 +173,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
 
     def getModule(self) -> torch.nn.Module:
         """A copy of the trained module, on the CPU, in eval mode."""
-        import cloudpickle
-
-        module = cloudpickle.loads(self._require_bytes())
-        return cast("torch.nn.Module", module.eval())
+        return load_module(self._require_bytes()).eval()
 
     @property
     def numFeatures(self) -> int | None:

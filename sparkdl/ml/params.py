@@ -50,6 +50,21 @@ def _optional_bool(value: Any) -> bool | None:
     raise ConfigError(f"useGpu must be True, False or None (use the task's GPU when Spark assigns one); got {value!r}")
 
 
+def _features_col(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        sizes = ", ".join(f"<values in {v!r}>" for v in value)
+        raise ConfigError(
+            f"featuresCol takes one column; got {list(value)!r}. For a model with several inputs (as "
+            f"predict_batch_udf(...)({', '.join(map(repr, value))}) calls it), put them in one column, "
+            f"VectorAssembler(inputCols={list(value)!r}, outputCol='features').transform(df) (numbers "
+            "and vectors; or F.concat of array columns), and give the model a forward(x) that splits it: "
+            f"return net(*torch.split(x, [{sizes}], dim=1))"
+        )
+    raise ConfigError(f"featuresCol must be the name of a column (a string); got {value!r}")
+
+
 def _optional_str(value: Any) -> str | None:
     if value is None:
         return None
@@ -129,6 +144,12 @@ class ScoringParams(HasFeaturesCol, HasPredictionCol):
     """Params shared by the estimator and the model: what scoring needs."""
 
     _input_kwargs: dict[str, Any]  # set by pyspark's keyword_only
+
+    # Spark ML's, with a converter that says what to do with several input columns.
+    featuresCol: Param[str] = Param(
+        Params._dummy(), "featuresCol", "features column name (one column: a Spark ML vector or an array of numbers)",
+        typeConverter=_features_col,
+    )
 
     task: Param[Any] = Param(
         Params._dummy(),

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl.errors import ConfigError, SparkDLError
+from sparkdl.ml.modules import load_module
 from sparkdl.ml.plan import CLASSIFICATION
 from sparkdl.ml.training import input_dtype
 
@@ -167,12 +168,10 @@ def _task_device(use_gpu: bool | None) -> torch.device:
 
 
 def _worker_model(scorer: Scorer) -> tuple[Any, torch.device, torch.dtype]:
-    import cloudpickle
-
     device = _task_device(scorer.use_gpu)
     module = _WORKER_MODELS.get(
         (scorer.model_id, str(device)),
-        lambda: cloudpickle.loads(scorer.module_bytes()).to(device).eval(),
+        lambda: load_module(scorer.module_bytes()).to(device).eval(),
     )
     return module, device, input_dtype(module)
 

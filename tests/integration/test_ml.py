@@ -278,6 +278,66 @@ def test_transform_on_the_pandas_path_matches(spark, feature_rows, monkeypatch):
     assert single.schema["prediction"].dataType.simpleString() == "double"
 
 
+class TwoInputs(torch.nn.Module):
+    """A model of two inputs, as predict_batch_udf(...)(col_a, col_b) users have them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(5, 2), torch.nn.Linear(3, 2)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.a(a) * self.b(b)
+
+
+class Split(torch.nn.Module):
+    """The wrapper the featuresCol message tells users to write, as it says it."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(*torch.split(x, [5, 3], dim=1))
+
+
+def test_torchscript_models_and_models_of_several_inputs_score(spark, feature_rows, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pyspark.ml.feature import VectorAssembler
+
+    x, df = feature_rows
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    with torch.no_grad():
+        want = net(torch.from_numpy(x)).numpy()
+    key = lambda r: r["id"]  # noqa: E731
+    # TorchScript, scripted or traced (torch.jit.load gives the same): no pickle takes these.
+    for module in (torch.jit.script(net), torch.jit.trace(net, torch.from_numpy(x[:2]))):
+        model = TorchModel(model=module, task="regression")
+        got = np.array([r["prediction"] for r in sorted(model.transform(df).collect(), key=key)], dtype=np.float32)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    model.save(str(tmp_path / "traced"))
+    loaded = TorchModel.load(str(tmp_path / "traced"))
+    assert isinstance(loaded.getModule(), torch.jit.ScriptModule)
+    got = np.array([r["prediction"] for r in sorted(loaded.transform(df).collect(), key=key)], dtype=np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    # Several input columns: refused with a recipe, which, followed as written, scores.
+    two = TwoInputs()
+    cols = spark.createDataFrame(
+        [(i, x[i, :5].tolist(), *map(float, x[i, 5:])) for i in range(200)], "id long, a array<float>, b0 double, b1 double, b2 double"
+    )
+    with pytest.raises(ConfigError, match=r"featuresCol takes one column.*VectorAssembler.*torch\.split"):
+        TorchModel(model=two, featuresCol=["a", "b0", "b1", "b2"])
+    from pyspark.ml.functions import array_to_vector
+
+    assembled = VectorAssembler(inputCols=["a", "b0", "b1", "b2"], outputCol="features").transform(
+        cols.withColumn("a", array_to_vector("a"))
+    )
+    rows = sorted(TorchModel(model=Split(two), task="regression").transform(assembled).collect(), key=key)
+    with torch.no_grad():
+        want_two = two(torch.from_numpy(x[:200, :5]), torch.from_numpy(x[:200, 5:])).numpy()
+    np.testing.assert_allclose(np.array([r["prediction"] for r in rows], dtype=np.float32), want_two, rtol=1e-5, atol=1e-6)
+
+
 def test_transform_refuses_bad_columns(spark, feature_rows) -> None:  # type: ignore[no-untyped-def]
     from pyspark.errors import PythonException
 
