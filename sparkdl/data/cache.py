@@ -89,17 +89,19 @@ def _filesystem_path(url: str) -> str:
 
 
 def write_cached(
-    df: DataFrame, selected: DataFrame, array_columns: Sequence[str], options: Mapping[str, Any]
+    df: DataFrame, selected: DataFrame, array_columns: Sequence[str], options: Mapping[str, Any],
+    cache_url: str | None = None, setting: str = CACHE_DIR_CONF,
 ) -> Dataset:
     """``write_dataset(df, path=None)``: the cached entry of ``df``, written first if there is none.
 
     ``selected`` is ``df`` made ready for feeding, ``array_columns`` its array columns, and
-    ``options`` the arguments of the write, which are part of the key.
+    ``options`` the arguments of the write, which are part of the key. ``cache_url``: the cache
+    directory, by default :func:`cache_dir`'s; ``setting``: the conf that chose it, for messages.
     """
     import pyarrow.fs as pafs
 
     spark = df.sparkSession
-    cache_url = cache_dir(spark)
+    cache_url = qualify(spark, cache_url) if cache_url else cache_dir(spark)
     key = _cache_key(df, options)
     url = f"{cache_url}/{key}"
     fs, root = filesystem(url, None)
@@ -110,9 +112,9 @@ def write_cached(
     except Exception as exc:
         raise DatasetError(
             f"cannot create the cache directory {redact(cache_url)} ({type(exc).__name__}: {exc}); "
-            f"set the Spark conf {CACHE_DIR_CONF} to a writable directory, or pass a path"
+            f"set the Spark conf {setting} to a writable directory, or pass a path"
         ) from exc
-    _check_shared(spark, cache_url)
+    _check_shared(spark, cache_url, setting)
     if path_info(fs, manifest_path, url).type == pafs.FileType.File:
         cached = Dataset(url)
         if cached.manifest.key == key:
@@ -135,7 +137,7 @@ def write_cached(
     return written(url, manifest)
 
 
-def _check_shared(spark: SparkSession, cache_url: str) -> None:
+def _check_shared(spark: SparkSession, cache_url: str, setting: str = CACHE_DIR_CONF) -> None:
     """ConfigError unless every executor host sees the cache directory the driver sees.
 
     Executors write the entry and ranks read it: a directory on the driver's own disk would hold
@@ -157,7 +159,7 @@ def _check_shared(spark: SparkSession, cache_url: str) -> None:
         raise ConfigError(
             f"write_dataset(path=None) writes to the cache directory {redact(cache_url)}, which the "
             f"executors do not share with the driver (the driver wrote a marker there that these "
-            f"executor hosts do not see: {hosts}). Set the Spark conf {CACHE_DIR_CONF} to storage "
+            f"executor hosts do not see: {hosts}). Set the Spark conf {setting} to storage "
             "that the driver and every executor reach (a shared mount, hdfs://, s3://...), or pass "
             "write_dataset a path on such storage"
         )

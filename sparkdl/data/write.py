@@ -91,6 +91,25 @@ def write_dataset(
             cache directory that is not private (a symlink, another user's, or writable by others).
         DatasetError: ``path`` (or the cache directory) cannot be reached, or Spark failed to write.
     """
+    return write_to(df, path, overwrite=overwrite, num_files=num_files, row_group_bytes=row_group_bytes,
+                    row_group_rows=row_group_rows, vector_dtype=vector_dtype, compression=compression)
+
+
+def write_to(
+    df: DataFrame,
+    path: str | os.PathLike[str] | None,
+    cache: tuple[str, str] | None = None,
+    *,
+    overwrite: bool = False,
+    num_files: int | None = None,
+    row_group_bytes: int = _DEFAULT_ROW_GROUP_BYTES,
+    row_group_rows: int | None = None,
+    vector_dtype: str = "float32",
+    compression: str = "snappy",
+) -> Dataset:
+    """:func:`write_dataset`; with ``path=None`` and ``cache=(url, conf)``, the cache is the
+    directory ``url`` (which Spark and the driver reach), set by the Spark conf ``conf``, instead of
+    ``spark.sparkdl.cacheDir``'s."""
     # Duck-typed, so that Spark Connect DataFrames (another class on pyspark 3.5) pass too.
     if not all(hasattr(df, a) for a in ("sparkSession", "schema", "write", "semanticHash")):
         raise ConfigError(f"df must be a pyspark.sql.DataFrame; got {type(df).__name__}")
@@ -125,7 +144,7 @@ def write_dataset(
         "compression": compression,
     }
     if path is None:
-        return write_cached(df, selected, array_columns, options)
+        return write_cached(df, selected, array_columns, options, *(cache or ()))
 
     url = qualify(spark, path)
     fs, root = filesystem(url, None)

@@ -79,6 +79,9 @@ def test_the_drop_ins_run_over_connect_like_sparks(connect_server: ConnectServer
     assert r["gpu"][1] and "spark.task.resource.gpu.amount" in r["gpu"][3], r["gpu"]  # a RuntimeError
     assert r["script"][2] and "epochs" in r["script"][3], r["script"]  # a ValueError
     assert r["hvd"] == 10.0
+    # Petastorm's make_spark_converter, from sparkdl.compat.petastorm: shard 1 of 2 of 100 rows.
+    size, steps, ids, dtype = r["converter"]
+    assert size == 100 and steps == 4 and len(ids) == 50 and len(set(ids)) == 50 and dtype == "torch.float32", r["converter"]
     # Spark ML's own checks run over Connect too (tests/e2e/test_connect_ml.py trains and scores).
     assert "does not match labelCol='y'" in r["estimator"], r["estimator"]
 

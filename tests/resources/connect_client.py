@@ -139,6 +139,16 @@ def scenario_dropins(spark: Any, work: str) -> dict[str, Any]:
         out["estimator"] = None
     except sparkdl.ConfigError as exc:
         out["estimator"] = str(exc)
+    # Petastorm's converter, as its documentation uses it, which itself cannot run over Connect.
+    from sparkdl.compat.petastorm import SparkDatasetConverter, make_spark_converter
+
+    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, f"file://{work}/converter")
+    converter = make_spark_converter(spark.range(100).selectExpr("id", "cast(id as double) / 2 as x"))
+    with converter.make_torch_dataloader(batch_size=16, num_epochs=1, cur_shard=1, shard_count=2) as loader:
+        batches = list(loader)
+    out["converter"] = [len(converter), len(batches), sorted(int(i) for b in batches for i in b["id"]),
+                        str(batches[0]["x"].dtype)]
+    converter.delete()
     return out
 
 
