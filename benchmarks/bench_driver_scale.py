@@ -5,7 +5,8 @@ For each N, two gangs: one whose ranks each print a burst of lines and send metr
 and one whose rank 0 fails while the others are stopped in a collective, which times the report.
 Prints, per N: check-in (first connection to last go-ahead) wall and driver CPU time, the
 driver's resident memory per rank, the burst relayed (lines/s, driver CPU per line; every line
-checked whole, once and in order in its rank's file), and the failure report (time from the
+checked whole, once and in order in its rank's file; a quarter of them alike on every rank, and
+the lines the deduplicated console showed), and the failure report (time from the
 failure to a report with every stack, its length). Targets (issue 35): check-in of 1,024 ranks
 <= 2 s of driver CPU, <= 1 MiB per rank, report <= 2 s, no lost or doubled line.
 
@@ -32,7 +33,7 @@ def main() -> int:
     parser.add_argument("--metrics", type=int, default=50, help="metric records each rank sends")
     args = parser.parse_args()
     print(f"{'ranks':>6} {'check-in s':>11} {'cpu s':>7} {'cpu ms/rank':>12} {'RSS KiB/rank':>13} "
-          f"{'lines':>10} {'lines/s':>9} {'cpu us/line':>12} {'report s':>9} {'report lines':>13}")
+          f"{'lines':>10} {'console':>9} {'lines/s':>9} {'cpu us/line':>12} {'report s':>9} {'report lines':>13}")
     bad = 0
     for n in args.ranks:
         with tempfile.TemporaryDirectory() as burst_dir, tempfile.TemporaryDirectory() as fail_dir:
@@ -41,7 +42,7 @@ def main() -> int:
         rate = burst.lines / burst.relay_s if burst.relay_s else 0.0
         per_line = burst.relay_cpu_s / burst.lines * 1e6 if burst.lines else 0.0
         print(f"{n:>6} {burst.checkin_s:>11.2f} {burst.checkin_cpu_s:>7.2f} {burst.checkin_cpu_s / n * 1000:>12.2f} "
-              f"{burst.rss_per_rank_kib:>13.0f} {burst.lines:>10} {rate:>9.0f} {per_line:>12.1f} "
+              f"{burst.rss_per_rank_kib:>13.0f} {burst.lines:>10} {burst.console_lines:>9} {rate:>9.0f} {per_line:>12.1f} "
               f"{failed.report_s or 0:>9.2f} {failed.report_lines or 0:>13}")
         for problem in burst.problems + failed.problems:
             bad += 1

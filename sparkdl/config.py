@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sparkdl._validate import int_at_least, positive_seconds
+from sparkdl._validate import int_at_least, is_number, positive_seconds
 from sparkdl.errors import ConfigError
 
 # Durations in seconds: each must be positive; timeout_s may also be None (no limit).
@@ -57,6 +57,12 @@ class RunConfig:
         echo_logs: print every rank's output on the driver, tagged with its rank. Every line also
             goes to a file per rank in the run's directory (``RunResult.log_dir``:
             ``rank-<r>.log``, and ``rank-<r>.attempt-<a>.log`` for reruns), echoed or not.
+        console: how the driver's console shows the ranks' lines (with ``echo_logs``): ``"all"``,
+            every line of every rank; ``"dedupe"``, rank 0's lines and every rank's stderr
+            (warnings, errors) as they come, and a stdout line that other ranks print alike once,
+            with their ranks (``[ranks 1-1023] ...``), within a second (a rank's line may then
+            show before the rank's own line printed just before it); ``"auto"``, ``"dedupe"`` from
+            8 ranks on, else ``"all"``. The files always get every line of every rank, in order.
         log_flush_timeout_s: once the ranks ended, how long the run waits for the driver's
             console (a slow pipe, a log collector) to take the ranks' lines still queued for it.
             Lines it did not take in time are counted in a warning that names the run's log
@@ -65,6 +71,9 @@ class RunConfig:
         progress: show a live progress line on the driver (epoch, step, throughput, loss) from
             rank 0's metrics.
         progress_interval_s: least time between two progress lines.
+        straggler_factor: a rank whose step (reported by ``TrainState`` every second) times this
+            factor is below the median step of the attempt's ranks is named a straggler, in the
+            progress line and in the failure report (once the median is 10 steps or more).
         mlflow: log the run's metrics and final model to MLflow (the active MLflow run, or a new
             one). ``None`` means the Spark conf ``spark.sparkdl.mlflow.enabled`` (default false).
         prewarm: start each rank by forking a per-executor process that has torch imported
@@ -114,11 +123,13 @@ class RunConfig:
     log_tail_lines: int = 20
     init_process_group: bool = True
     echo_logs: bool = True
+    console: str = "auto"
     log_flush_timeout_s: float = 60.0
     keep_checkpoints: int = 3
     stop_on_repeated_error: bool = True
     progress: bool = True
     progress_interval_s: float = 5.0
+    straggler_factor: float = 1.5
     mlflow: bool | None = None
     prewarm: bool = True
     outcome_wait_s: float = 10.0
@@ -131,6 +142,16 @@ class RunConfig:
         for name in _SECONDS:
             positive_seconds(f"RunConfig.{name}", getattr(self, name))
         int_at_least("RunConfig.log_tail_lines", self.log_tail_lines, 0)
+        if not is_number(self.straggler_factor) or not self.straggler_factor > 1:
+            raise ConfigError(
+                f"RunConfig.straggler_factor={self.straggler_factor!r}: give a number > 1 (1.5: a rank at two "
+                "thirds of the median step is a straggler)"
+            )
+        if self.console not in ("auto", "all", "dedupe"):
+            raise ConfigError(
+                f"RunConfig.console={self.console!r}: choose 'all' (every line of every rank), 'dedupe' (rank 0's "
+                "lines, and the lines other ranks print alike once) or 'auto' ('dedupe' from 8 ranks on)"
+            )
         int_at_least("RunConfig.keep_checkpoints", self.keep_checkpoints, 1)
         int_at_least("RunConfig.min_workers", self.min_workers, 1, allow_none=True,
                      note=" (the fewest ranks a shrunk gang may run on)")

@@ -29,7 +29,7 @@ from typing import Any
 
 from sparkdl.config import RunConfig
 from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.output import RankOutput
+from sparkdl.driver.output import RankOutput, dedupes
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.driver.report import build_report
 from sparkdl.wire.channel import connect
@@ -59,7 +59,25 @@ ERROR = "ValueError: bad batch 17"
 
 
 def line_text(rank: int, i: int, width: int) -> str:
+    """Line ``i`` of ``rank``: every 4th the same on every rank (a progress message, a library's
+    warning), the others the rank's own."""
+    if i % 4 == 0:
+        return f"every rank's line {i} " + "x" * width
     return f"rank {rank} line {i} " + "x" * width
+
+
+class _Console:
+    """The driver's stdout during a load: lines counted, not kept."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def write(self, text: str) -> int:
+        self.lines += text.count("\n")
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 @dataclass
@@ -81,6 +99,7 @@ class Measured:
     relay_s: float = 0.0  # the burst's start to every line in its rank's file
     relay_cpu_s: float = 0.0
     lines: int = 0
+    console_lines: int = 0  # what the console showed (RunConfig.console="auto": deduplicated)
     metrics: int = 0
     report_s: float | None = None  # the failure to a complete report (every stack in)
     report_lines: int | None = None
@@ -105,7 +124,7 @@ def _wait(cond: threading.Condition, what: Any, deadline: float, name: str, chil
 
 def drive(load: Load, workdir: Path) -> Measured:
     """Runs ``load`` against a real driver side; the lines go to ``workdir/logs``, the console to
-    /dev/null (its thread does the work it would do for a terminal)."""
+    a counter (its thread does the work it would do for a terminal)."""
     n = load.ranks
     out = Measured(n)
     # A connection and a thread per rank: lift this process's descriptor limit to its hard limit.
@@ -113,9 +132,9 @@ def drive(load: Load, workdir: Path) -> Measured:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cfg = RunConfig(progress=False, log_tail_lines=5)
-    console = open(os.devnull, "w")  # noqa: SIM115 - closed below
-    saved, sys.stdout = sys.stdout, console
-    output = RankOutput(workdir / "logs", echo=True)
+    console = _Console()
+    saved, sys.stdout = sys.stdout, console  # type: ignore[assignment]
+    output = RankOutput(workdir / "logs", echo=True, dedupe=dedupes(cfg.console, n), world_size=n)
     metrics = MetricsLog(workdir / "metrics.jsonl")
     monitor = Monitor(n, 1, cfg, None, metrics, Progress(1.0, enabled=False), output=output)
     secret = os.urandom(32)
@@ -169,7 +188,7 @@ def drive(load: Load, workdir: Path) -> Measured:
             out.problems.append(f"the load generator exited with {child.returncode}")
     finally:
         sys.stdout = saved
-        console.close()
+        out.console_lines = console.lines
         metrics.close()
         if child is not None and child.poll() is None:
             child.kill()

@@ -62,6 +62,8 @@ def failure(monitor: Monitor, error: BaseException | None, verdict: policy.Verdi
     if timed_out and stop_reason:
         headline = f"sparkdl.run stopped on attempt {attempts - 1}: {stop_reason}."
         hint = "Raise the bound named above if the run needs longer."
+        if stragglers := monitor.progress.stragglers():
+            hint = f"{stragglers}\n{hint}"
         report, _ = build_report(records, headline=headline, hint=hint, spark_error=None)
         return RunTimeoutError(report, attempts=attempts, root_cause=stop_reason)
     headline = f"sparkdl.run failed after {attempts} attempt(s) of the gang (max_attempts={max_attempts})."
@@ -74,6 +76,8 @@ def failure(monitor: Monitor, error: BaseException | None, verdict: policy.Verdi
         "Fix the root cause above; to allow more reruns of the gang, raise max_attempts "
         f"(now {max_attempts})."
     )
+    if stragglers := monitor.progress.stragglers():
+        hint = f"{stragglers}\n{hint}"
     report, root = build_report(records, headline=headline, hint=hint)
     return RunFailedError(report, attempts=attempts, root_cause=root)
 

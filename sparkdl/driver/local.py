@@ -28,7 +28,7 @@ from sparkdl.config import RunConfig
 from sparkdl.driver import policy
 from sparkdl.driver.launcher import Job, Launcher, pickle_payload
 from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.output import RankOutput
+from sparkdl.driver.output import RankOutput, dedupes
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.driver.report import build_report
 from sparkdl.errors import ConfigError, RunFailedError, RunTimeoutError
@@ -227,9 +227,9 @@ def run_on_driver(
         # No Spark conf is read here: the temp dir (TMPDIR) is what moves the default.
         checkpoint_url=str(user_dir("runs", setting="TMPDIR") / run_id / "checkpoints"), config=cfg,
     )
-    progress = Progress(cfg.progress_interval_s, cfg.progress)
+    progress = Progress(cfg.progress_interval_s, cfg.progress, cfg.straggler_factor)
     logs = user_dir("runs", setting="TMPDIR") / run_id / "logs"
-    output = RankOutput(logs, echo=cfg.echo_logs)
+    output = RankOutput(logs, echo=cfg.echo_logs, dedupe=dedupes(cfg.console, num_processes), world_size=num_processes)
     monitor = Monitor(num_processes, 1, cfg, None, MetricsLog(None), progress, output=output)
     try:
         return LocalLauncher(gpu_ids).run(Job(run, fn_bytes, max_attempts=1), monitor)

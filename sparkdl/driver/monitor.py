@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
 from sparkdl.driver.output import RankOutput
-from sparkdl.driver.progress import MetricsLog, Progress
+from sparkdl.driver.progress import PROGRESS_KEY, MetricsLog, Progress
 from sparkdl.driver.report import RankRecord
 from sparkdl.train.store import CheckpointStore
 from sparkdl.wire.channel import ChannelError, FramedConnection, Message
@@ -218,7 +218,8 @@ class Monitor:
     def metric(self, attempt: int, rank: int, msg: Metric) -> None:
         # The rank and attempt are the sender's; the record cannot claim others.
         record = {**msg.record, "rank": rank, "attempt": attempt}
-        self.metrics.add(record)
+        if not record.pop(PROGRESS_KEY, None):  # a step report is for the progress line only
+            self.metrics.add(record)
         self.progress.update(record)
 
     # ---- the channel ----------------------------------------------------------------------

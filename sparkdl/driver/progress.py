@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sparkdl.driver.report import rank_ranges
+from sparkdl.wire.messages import PROGRESS_KEY as PROGRESS_KEY
+
 
 class MetricsLog:
     """Thread-safe: records in memory and, line by line, in a JSON-lines file."""
@@ -41,15 +44,27 @@ class MetricsLog:
                 self._file = None
 
 
+# Below this median step nobody is called a straggler: at the start, ranks are a few steps apart.
+STRAGGLER_MIN_MEDIAN = 10
+
+
 class Progress:
-    """The driver's live progress: epoch, step, throughput and the latest loss, from rank 0's metrics.
+    """The driver's live progress: epoch, step, throughput and the latest loss, from rank 0's metrics,
+    and, once several ranks report their step, the spread of the steps and the stragglers.
 
     In a notebook it is one line updated in place; in a terminal or a log it is a line printed
     at most every ``interval_s`` seconds, on stderr, so it never mixes into a rank's stdout.
+
+    A straggler is a rank of the current attempt whose step times ``straggler_factor`` is below
+    the median step (once the median is :data:`STRAGGLER_MIN_MEDIAN` or more). Steps are tracked
+    with the line off too, for the failure report.
     """
 
-    def __init__(self, interval_s: float, enabled: bool) -> None:
+    def __init__(self, interval_s: float, enabled: bool, straggler_factor: float = 1.5) -> None:
         self.enabled = enabled
+        self.straggler_factor = straggler_factor
+        self._steps: dict[int, float] = {}  # rank -> its latest step, in attempt self._attempt
+        self._attempt = 0
         self.interval_s = interval_s
         self._last_print = 0.0
         self._state: dict[str, Any] = {}
@@ -59,11 +74,21 @@ class Progress:
         self._lock = threading.Lock()
 
     def update(self, record: dict[str, Any]) -> None:
-        if not self.enabled or record.get("rank") != 0:
-            return
+        rank, step = record.get("rank"), record.get("step")
         with self._lock:
+            attempt = record.get("attempt", 0)
+            if isinstance(attempt, int) and attempt > self._attempt:
+                self._attempt, self._steps = attempt, {}
+            if isinstance(rank, int) and isinstance(step, (int, float)) and attempt == self._attempt:
+                self._steps[rank] = step
+            if not self.enabled:
+                return
             now = time.monotonic()
-            step = record.get("step")
+            if rank != 0:
+                if self._state and now - self._last_print >= self.interval_s:
+                    self._last_print = now
+                    self._show(self.render())
+                return
             if isinstance(step, (int, float)):
                 if self._rate is not None and step > self._rate[1] and now > self._rate[0]:
                     self._steps_per_s = (step - self._rate[1]) / (now - self._rate[0])
@@ -87,7 +112,36 @@ class Progress:
             parts.append(f"{self._steps_per_s:.1f} steps/s")
         if isinstance(s.get("loss"), (int, float)):
             parts.append(f"loss {s['loss']:.4g}")
+        if len(self._steps) > 1:
+            low, median, high = self._spread()
+            slowest = min(self._steps, key=lambda r: (self._steps[r], r))
+            parts.append(f"ranks' steps {low:g}/{median:g}/{high:g} (min/median/max; slowest rank {slowest})")
+            if behind := self._behind(median):
+                parts.append(f"stragglers: ranks {rank_ranges(behind)}")
         return "sparkdl progress: " + " | ".join(parts)
+
+    def _spread(self) -> tuple[float, float, float]:
+        steps = sorted(self._steps.values())
+        return steps[0], steps[len(steps) // 2], steps[-1]
+
+    def _behind(self, median: float) -> list[int]:
+        if median < STRAGGLER_MIN_MEDIAN:
+            return []
+        return sorted(r for r, step in self._steps.items() if step * self.straggler_factor < median)
+
+    def stragglers(self) -> str | None:
+        """The stragglers of the latest attempt, with their steps, in a sentence; None when none."""
+        with self._lock:
+            if len(self._steps) < 2:
+                return None
+            median = self._spread()[1]
+            behind = self._behind(median)
+            if not behind:
+                return None
+            shown = ", ".join(f"rank {r} at step {self._steps[r]:g}" for r in behind[:8])
+            more = f" and {len(behind) - 8} more" if len(behind) > 8 else ""
+            return (f"Stragglers of attempt {self._attempt} (steps behind the median {median:g} by more than "
+                    f"RunConfig.straggler_factor={self.straggler_factor:g}): {shown}{more}.")
 
     def _show(self, text: str) -> None:
         if _in_notebook():

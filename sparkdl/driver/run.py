@@ -21,7 +21,7 @@ from sparkdl.config import RunConfig
 from sparkdl.driver import cluster
 from sparkdl.driver.launcher import Job, pickle_payload
 from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.output import RankOutput
+from sparkdl.driver.output import RankOutput, dedupes
 from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.driver.result import RunResult, log_to_mlflow
 from sparkdl.driver.spark import SparkLauncher
@@ -178,9 +178,10 @@ def launch(
     store = CheckpointStore(checkpoint_dir or f"{run_dir}/checkpoints", keep=cfg.keep_checkpoints)
     metrics_path = cluster.local_metrics_path(run_dir, run_id)
     metrics = MetricsLog(metrics_path)
-    progress = Progress(cfg.progress_interval_s, cfg.progress)
+    progress = Progress(cfg.progress_interval_s, cfg.progress, cfg.straggler_factor)
     # Beside the metrics: on the driver's own disk, where the user looks (the run dir may be remote).
-    output = RankOutput(metrics_path.parent / "logs", echo=cfg.echo_logs)
+    output = RankOutput(metrics_path.parent / "logs", echo=cfg.echo_logs, dedupe=dedupes(cfg.console, num_workers),
+                        world_size=num_workers)
     monitor = Monitor(num_workers, attempts_allowed, cfg, store, metrics, progress, output=output)
     mlflow_on = cluster.mlflow_enabled(conf, cfg)
     spec = RunSpec(run_id=run_id, world_size=num_workers, backend=backend, use_gpu=gpu,

@@ -18,6 +18,7 @@ from sparkdl import rankspec
 from sparkdl.errors import ConfigError, NotInRunError
 from sparkdl.train import sharded as sharded_ckpt
 from sparkdl.train.store import CheckpointStore
+from sparkdl.wire.messages import PROGRESS_KEY
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +156,13 @@ class RunContext:
                     f"got {type(value).__name__}"
                 )
             record[key] = value
+        self._send(record)
+
+    def _report_step(self, step: int) -> None:
+        """Tells the driver this rank's step (for the progress line and the stragglers), not a metric."""
+        self._send({"rank": self.rank, "attempt": self.attempt, "step": int(step), PROGRESS_KEY: 1}, quiet=True)
+
+    def _send(self, record: dict[str, Any], quiet: bool = False) -> None:
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         if len(line) > _PIPE_ATOMIC_BYTES:
             raise ConfigError(
@@ -169,7 +177,8 @@ class RunContext:
             os.write(fd, line)
         except OSError:
             # No driver to send to (the driver-local launcher): keep the metrics in the output.
-            print(f"sparkdl metrics {line.decode().strip()}", flush=True)
+            if not quiet:
+                print(f"sparkdl metrics {line.decode().strip()}", flush=True)
 
     @property
     def is_chief(self) -> bool:

@@ -223,13 +223,17 @@ class TrainState:
                 yield batch
                 # Control is back: the caller finished its step on this batch.
                 self.global_step += 1
-                if ctx.rank == 0 and time.monotonic() - last_report >= 1.0:
-                    # Feeds the driver's progress line without the caller doing anything.
+                if time.monotonic() - last_report >= 1.0:
+                    # Feeds the driver's progress line without the caller doing anything: rank 0's
+                    # epoch and step as metrics, the others' steps for the spread and stragglers.
                     last_report = time.monotonic()
-                    ctx.log_metrics(
-                        {"epoch": epoch, "epoch_step": self.loader.step, "steps_per_epoch": len(self.loader)},
-                        step=self.global_step,
-                    )
+                    if ctx.rank == 0:
+                        ctx.log_metrics(
+                            {"epoch": epoch, "epoch_step": self.loader.step, "steps_per_epoch": len(self.loader)},
+                            step=self.global_step,
+                        )
+                    else:
+                        ctx._report_step(self.global_step)
                 if save_every and self.global_step % save_every == 0 and self.loader.step < len(self.loader):
                     self.save()
             if self.loader.epoch == epoch:  # an interrupted pass: the loader stays in its epoch

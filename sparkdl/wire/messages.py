@@ -113,6 +113,11 @@ class LogLine:
         return {"s": self.stream, "l": self.text, "more": self.more}
 
 
+# The key of a Metric record that only reports a rank's step (TrainState sends one a second from
+# every rank but 0): the driver's progress line and straggler check take it; the metrics do not.
+PROGRESS_KEY = "sparkdl.progress"
+
+
 @dataclass(frozen=True)
 class Metric:
     """One record the rank sent with ``context().log_metrics``."""

@@ -350,6 +350,32 @@ def test_metrics_reach_the_driver_with_progress_and_a_file(spark, capfd, no_leak
         sparkdl.RunContext(0, 1, 0, 1, 0, "x", "h", "torch", (), False).log_metrics({"bad": [1, 2]})
 
 
+def steps_unevenly(ds: sparkdl.Dataset) -> None:
+    import torch
+
+    ctx = sparkdl.context()
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # No collective: each rank steps at its own pace, rank 1 ten times slower (a slow disk, say).
+    state = sparkdl.TrainState(model, opt, ds.loader(4, seed=1))
+    for _ in state.batches(epochs=1):
+        time.sleep(0.02 if ctx.rank == 0 else 0.2)
+        if ctx.rank == 0 and state.global_step == 120:
+            raise RuntimeError("rank 0 stops at step 120")
+
+
+def test_the_progress_line_and_the_report_name_the_straggler(spark, tmp_path, capfd, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    ds = sparkdl.write_dataset(spark.range(2000).selectExpr("cast(id as float) as x"), tmp_path / "ds", num_files=2)
+    cfg = FAST.replace(progress_interval_s=0.2, max_attempts=1)
+    with pytest.raises(sparkdl.RunFailedError) as info:
+        sparkdl.run(steps_unevenly, ds, num_workers=2, config=cfg)
+    # Rank 0 reached step ~100 by its last report, rank 1 step ~10: more than 1.5x behind.
+    assert "Stragglers of attempt 0 (steps behind the median" in str(info.value), str(info.value)
+    assert "RunConfig.straggler_factor=1.5): rank 1 at step " in str(info.value)
+    err = capfd.readouterr().err
+    assert "(min/median/max; slowest rank 1) | stragglers: ranks 1" in err, err[-2000:]
+
+
 def small_model_with_metrics() -> dict[str, Any]:
     import torch
 

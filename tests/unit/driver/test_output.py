@@ -1,6 +1,7 @@
 """The driver's sinks of the ranks' lines (sparkdl/driver/output.py): every line whole and once in
 its rank's file and on the console, from many channel threads at once; nothing hangs or is dropped
-silently when the console or the directory fails."""
+silently when the console or the directory fails; deduplicated, a line other ranks print alike is
+shown once with their ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.driver.output import RankOutput, file_name
+from sparkdl.config import RunConfig
+from sparkdl.driver.output import DEDUPE_HOLD_S, RankOutput, dedupes, file_name
+from sparkdl.errors import ConfigError
 
 
 def test_lines_from_many_threads_reach_each_file_and_the_console_whole_and_once(
@@ -104,3 +107,75 @@ def test_a_console_that_went_away_ends_the_writer_and_its_lines_are_counted(
     undelivered = sink.close(timeout_s=10)
     assert undelivered.console == 2 and not undelivered.files
     assert (tmp_path / "logs" / "rank-0.log").read_text() == "first\nsecond\n"
+
+
+def test_dedupe_shows_rank_0_and_stderr_in_full_and_other_ranks_alike_lines_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    ranks, epochs = 16, 30
+    sink = RankOutput(tmp_path / "logs", echo=True, dedupe=True, world_size=ranks)
+
+    def rank(r: int) -> None:
+        for i in range(epochs):
+            sink.line(0, r, "o", f"epoch {i} done")  # alike on every rank
+            sink.line(0, r, "o", f"rank {r} loss {i}")  # this rank's own
+        sink.line(0, r, "e", "UserWarning: the same warning")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not sink.close(timeout_s=30)
+    shown = out.getvalue().splitlines()
+    for i in range(epochs):
+        assert f"[rank 0] epoch {i} done" in shown
+        # The other ranks' alike line: each of them in exactly one shown line (one, unless a
+        # rank was held up for a second), never a line per rank.
+        alike = [line for line in shown if line.endswith(f"] epoch {i} done") and not line.startswith("[rank 0]")]
+        covered = [r for line in alike for r in _ranks(line)]
+        assert sorted(covered) == list(range(1, ranks)) and len(alike) < ranks // 2, alike
+        for r in range(ranks):
+            assert shown.count(f"[rank {r}] rank {r} loss {i}") == 1
+    # stderr of every rank, in full.
+    assert sorted(err.getvalue().splitlines()) == sorted(f"[rank {r}] UserWarning: the same warning" for r in range(ranks))
+    for r in range(ranks):  # the files: every line, in order
+        written = (tmp_path / "logs" / file_name(r, 0)).read_text().splitlines()
+        assert written == [x for i in range(epochs) for x in (f"epoch {i} done", f"rank {r} loss {i}")] + [
+            "UserWarning: the same warning"]
+
+
+def _ranks(line: str) -> list[int]:
+    """The ranks of a console tag: ``[ranks 1-3, 7] ...`` -> [1, 2, 3, 7]."""
+    tag = line[1:line.index("]")].removeprefix("ranks ").removeprefix("rank ")
+    found: list[int] = []
+    for part in tag.split(", "):
+        lo, _, hi = part.partition("-")
+        found += range(int(lo), int(hi or lo) + 1)
+    return found
+
+
+def test_a_line_only_some_ranks_print_is_shown_once_after_the_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    sink = RankOutput(None, echo=True, dedupe=True, world_size=8)
+    started = time.monotonic()
+    sink.line(0, 2, "o", "loading shard")
+    sink.line(0, 1, "o", "loading shard")
+    deadline = started + 10
+    while "loading shard" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    waited = time.monotonic() - started
+    assert out.getvalue() == "[ranks 1-2] loading shard\n"  # before the run ends, not at its end
+    assert DEDUPE_HOLD_S * 0.9 <= waited < DEDUPE_HOLD_S + 5
+    sink.close(timeout_s=5)
+
+
+def test_the_console_setting() -> None:
+    assert [dedupes("auto", n) for n in (1, 7, 8, 1024)] == [False, False, True, True]
+    assert dedupes("dedupe", 2) and not dedupes("all", 1024)
+    with pytest.raises(ConfigError, match=r"RunConfig.console='some'.*'dedupe'"):
+        RunConfig(console="some")
