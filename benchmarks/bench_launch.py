@@ -17,6 +17,10 @@ with ``spark.sparkdl.channel=relay`` (the ranks report through Spark's result ro
 client the executors cannot reach), alternating with the default, and prints relay / default.
 ``--horovod``: also times ``backend="horovod"`` (one ``hvd.allreduce``) with the Gloo controller
 and with the MPI controller (an Open MPI job formed by the tasks), and prints MPI / Gloo.
+
+``--curve 2 4 8 16 32``: instead, the launch curve: sparkdl's warm median at each gang size on
+``local[<largest>]`` (targets: T(32) <= 2 x T(2)), and TorchDistributor's at ``--td-at`` ranks
+(default 16) in the same session (target: sparkdl / TorchDistributor <= 0.05 there).
 """
 
 from __future__ import annotations
@@ -60,13 +64,50 @@ def allreduce_with_horovod() -> float:
     return float(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())
 
 
-def _time(fn: Callable[[], object]) -> float:
+def _time(fn: Callable[[], object], expected: float = 2.0) -> float:
     start = time.perf_counter()
     result = fn()
     elapsed = time.perf_counter() - start
-    if result != 2.0:
-        raise SystemExit(f"wrong allreduce result {result!r}")
+    if result != expected:
+        raise SystemExit(f"wrong allreduce result {result!r}, expected {expected}")
     return elapsed
+
+
+def curve(sizes: list[int], td_at: int, runs: int) -> None:
+    """sparkdl's warm launch at each gang size, and TorchDistributor's at ``td_at``, on one session."""
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    import sparkdl
+    from sparkdl.session import create_session
+
+    master = f"local[{max(*sizes, td_at)}]"
+    spark = create_session(master, {"spark.ui.enabled": "false"}, "sparkdl-bench-curve", master)
+    spark.sparkContext.setLogLevel("ERROR")
+    quiet = sparkdl.RunConfig(echo_logs=False, progress=False)
+    print(f"launch curve on {master}, {os.cpu_count()} cores, median of {runs} warm runs", flush=True)
+    medians: dict[int, float] = {}
+    for n in sizes:
+        def launch(n: int = n) -> object:
+            return sparkdl.run(allreduce_with_sparkdl_group, num_workers=n, config=quiet)
+
+        _time(launch, float(n))  # warm-up: the zygote, the Python workers
+        times = [_time(launch, float(n)) for _ in range(runs)]
+        medians[n] = statistics.median(times)
+        print(f"sparkdl {n:>3} ranks: median {medians[n]:.2f} s  (min {min(times):.2f}, max {max(times):.2f})",
+              flush=True)
+
+    def td() -> object:
+        return TorchDistributor(num_processes=td_at, local_mode=False, use_gpu=False).run(allreduce_torchrun_style)
+
+    _time(td, float(td_at))
+    td_times = [_time(td, float(td_at)) for _ in range(runs)]
+    td_median = statistics.median(td_times)
+    print(f"TorchDistributor {td_at} ranks: median {td_median:.2f} s  (min {min(td_times):.2f}, max {max(td_times):.2f})")
+    first, last = min(sizes), max(sizes)
+    print(f"ratio T({last}) / T({first})                {medians[last] / medians[first]:.2f}  (target <= 2)")
+    if td_at in medians:
+        print(f"ratio sparkdl / TorchDistributor at {td_at}  {medians[td_at] / td_median:.3f}  (target <= 0.05)")
+    spark.stop()
 
 
 def main() -> None:
@@ -77,7 +118,12 @@ def main() -> None:
                         help="over Spark Connect: sc://host:port, or none to start a server of --master")
     parser.add_argument("--relay", action="store_true", help="also time sparkdl with spark.sparkdl.channel=relay")
     parser.add_argument("--horovod", action="store_true", help="also time backend='horovod' with Gloo and with MPI")
+    parser.add_argument("--curve", type=int, nargs="+", metavar="N", help="the launch curve at these gang sizes")
+    parser.add_argument("--td-at", type=int, default=16, help="TorchDistributor's gang size in --curve (default 16)")
     args = parser.parse_args()
+    if args.curve:
+        curve(sorted(args.curve), args.td_at, args.runs)
+        return
 
     from pyspark.ml.torch.distributor import TorchDistributor
     from pyspark.sql import SparkSession
