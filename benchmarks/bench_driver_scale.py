@@ -11,6 +11,10 @@ failure to a report with every stack, its length). Targets (issue 35): check-in 
 <= 2 s of driver CPU, <= 1 MiB per rank, report <= 2 s, no lost or doubled line.
 
     .venv/bin/python benchmarks/bench_driver_scale.py [--ranks 64 256 1024] [--lines 10000]
+
+``--steady 100``: instead, every rank prints 100 lines a second and logs 10 metric records a
+second for ``--seconds`` (10): the lines a second offered and written, the driver's share of a
+core, and how far behind the last line was written after the last was sent.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--lines", type=int, default=10_000, help="lines each rank prints in its burst")
     parser.add_argument("--metrics", type=int, default=50, help="metric records each rank sends")
+    parser.add_argument("--steady", type=float, metavar="RATE",
+                        help="instead: every rank printing RATE lines a second (and 10 metrics a second) for --seconds")
+    parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
+    if args.steady:
+        return steady(args.ranks, args.steady, args.seconds)
     print(f"{'ranks':>6} {'check-in s':>11} {'cpu s':>7} {'cpu ms/rank':>12} {'RSS KiB/rank':>13} "
           f"{'lines':>10} {'console':>9} {'lines/s':>9} {'cpu us/line':>12} {'report s':>9} {'report lines':>13}")
     bad = 0
@@ -45,6 +54,22 @@ def main() -> int:
               f"{burst.rss_per_rank_kib:>13.0f} {burst.lines:>10} {burst.console_lines:>9} {rate:>9.0f} {per_line:>12.1f} "
               f"{failed.report_s or 0:>9.2f} {failed.report_lines or 0:>13}")
         for problem in burst.problems + failed.problems:
+            bad += 1
+            print(f"  PROBLEM at {n} ranks: {problem}")
+    return 1 if bad else 0
+
+
+def steady(ranks: list[int], rate: float, seconds: float) -> int:
+    """A steady load: what it offers, what the driver wrote, its CPU share, how far behind it ended."""
+    print(f"{'ranks':>6} {'offered lines/s':>16} {'written lines/s':>16} {'metrics':>8} {'driver cpu':>11} "
+          f"{'behind at end s':>16} {'console':>9}")
+    bad = 0
+    for n in ranks:
+        with tempfile.TemporaryDirectory() as work:
+            m = drive(Load.steady(n, rate, seconds), Path(work))
+        print(f"{n:>6} {n * rate:>16.0f} {m.lines / m.relay_s:>16.0f} {m.metrics:>8} "
+              f"{m.relay_cpu_s / m.relay_s:>10.0%} {m.relay_s - seconds:>16.2f} {m.console_lines:>9}")
+        for problem in m.problems:
             bad += 1
             print(f"  PROBLEM at {n} ranks: {problem}")
     return 1 if bad else 0

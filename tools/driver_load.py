@@ -84,10 +84,17 @@ class _Console:
 class Load:
     ranks: int
     lines: int = 100  # a burst of this many lines from every rank, as fast as the tasks send
+    rate: float = 0.0  # > 0: instead, the lines come steadily, this many a second from every rank,
+    #                    with a metric record every 0.1 s (the lines and metrics counts follow from it)
     width: int = 80
     metrics: int = 20  # log_metrics records from every rank
     fail: bool = False  # rank 0 fails; the others are stopped in a collective
     timeout_s: float = 600.0
+
+    @classmethod
+    def steady(cls, ranks: int, rate: float, seconds: float, timeout_s: float = 600.0) -> Load:
+        """Every rank printing ``rate`` lines a second and logging 10 metric records a second, for ``seconds``."""
+        return cls(ranks, lines=round(rate * seconds), metrics=round(10 * seconds), rate=rate, timeout_s=timeout_s)
 
 
 @dataclass
@@ -133,7 +140,7 @@ def drive(load: Load, workdir: Path) -> Measured:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cfg = RunConfig(progress=False, log_tail_lines=5)
     console = _Console()
-    saved, sys.stdout = sys.stdout, console  # type: ignore[assignment]
+    saved, sys.stdout = sys.stdout, console
     output = RankOutput(workdir / "logs", echo=True, dedupe=dedupes(cfg.console, n), world_size=n)
     metrics = MetricsLog(workdir / "metrics.jsonl")
     monitor = Monitor(n, 1, cfg, None, metrics, Progress(1.0, enabled=False), output=output)
@@ -226,10 +233,13 @@ def _task(rank: int, spec: dict[str, Any], secret: bytes, go: threading.Event, e
         attempt = reply.attempt
         conn.send(encode(Started(200_000 + rank), rank=rank, attempt=attempt))
         go.wait()
-        for i in range(spec["lines"]):
-            conn.send(encode(LogLine("o", line_text(rank, i, width)), rank=rank, attempt=attempt))
-        for step in range(spec["metrics"]):
-            conn.send(encode(Metric({"step": step, "loss": 1.0 / (step + 1)}), rank=rank, attempt=attempt))
+        if spec["rate"]:
+            _steady(conn, rank, attempt, spec)
+        else:
+            for i in range(spec["lines"]):
+                conn.send(encode(LogLine("o", line_text(rank, i, width)), rank=rank, attempt=attempt))
+            for step in range(spec["metrics"]):
+                conn.send(encode(Metric({"step": step, "loss": 1.0 / (step + 1)}), rank=rank, attempt=attempt))
         if not spec["fail"]:
             conn.send(encode(Exited(0, None), rank=rank, attempt=attempt))
         elif rank == 0:
@@ -241,6 +251,19 @@ def _task(rank: int, spec: dict[str, Any], secret: bytes, go: threading.Event, e
             end.wait(120)
     finally:
         conn.close()
+
+
+def _steady(conn: Any, rank: int, attempt: int, spec: dict[str, Any]) -> None:
+    """``spec["lines"]`` lines at ``spec["rate"]`` a second, a metric after every tenth of a second's."""
+    rate, every = spec["rate"], spec["lines"] // spec["metrics"]
+    start = time.monotonic()
+    for i in range(spec["lines"]):
+        if (wait := start + i / rate - time.monotonic()) > 0:
+            time.sleep(wait)
+        conn.send(encode(LogLine("o", line_text(rank, i, spec["width"])), rank=rank, attempt=attempt))
+        if i % every == every - 1:
+            step = i // every
+            conn.send(encode(Metric({"step": step, "loss": 1.0 / (step + 1)}), rank=rank, attempt=attempt))
 
 
 def _tasks(spec: dict[str, Any]) -> int:

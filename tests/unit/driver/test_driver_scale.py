@@ -33,3 +33,11 @@ def test_a_gang_of_256_with_one_failure_gives_a_short_report_with_every_stack_in
     # The 255 ranks stopped in the same collective: one entry, one stack.
     assert f"ranks 1-{RANKS - 1} ({RANKS - 1} ranks on 32 hosts" in report, report
     assert report.count("in all_reduce") == 1 and (measured.report_lines or 0) < 30, report
+
+
+def test_64_ranks_printing_100_lines_and_10_metrics_a_second_lose_nothing(tmp_path: Path) -> None:
+    measured = driver_load.drive(driver_load.Load.steady(64, rate=100, seconds=2, timeout_s=120), tmp_path)
+    assert measured.problems == []  # every line whole, once and in order in its file; every metric once
+    assert measured.lines == 64 * 200 and measured.metrics == 64 * 20
+    # 6,400 lines a second offered for 2 s: written within the bound (the driver keeps up here).
+    assert measured.relay_s < 2 + 10, measured.relay_s
