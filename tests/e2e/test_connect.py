@@ -101,10 +101,11 @@ def train(scale):
     return t.item()
 
 started = time.monotonic()
-try:  # the executors start 5 s late: none has registered yet
+try:  # no executor has started yet: they wait for the gate
     sparkdl.run(train, 1.0, num_workers=2, config=sparkdl.RunConfig(slot_wait_s=1))
 except RuntimeError as exc:
     print("REFUSED", type(exc).__name__, round(time.monotonic() - started, 1), str(exc).replace("\\n", " "))
+open(sys.argv[1], "w").close()  # the executors start now, and take seconds to register
 cfg = sparkdl.RunConfig(slot_wait_s=60)
 value = sparkdl.TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, config=cfg).run(train, 2.0)
 print("VALUE", value)
@@ -123,23 +124,29 @@ def test_a_run_right_after_the_session_waits_for_the_executors_over_connect(tmp_
     for entry in java.parent.parent.iterdir():
         if entry.name != "bin":
             (home / entry.name).symlink_to(entry)
-    # The executor JVMs start 5 s late (the worker launches them with $JAVA_HOME/bin/java).
+    gate = tmp_path / "gate"
+    # The worker launches the executor JVMs with $JAVA_HOME/bin/java: they start once the gate
+    # file exists (at most 120 s), so that none is there for the first run, however fast.
     (home / "bin" / "java").write_text(
-        f'#!/bin/sh\ncase " $* " in *CoarseGrainedExecutorBackend*) sleep 5;; esac\nexec {java} "$@"\n')
+        f'#!/bin/sh\ncase " $* " in *CoarseGrainedExecutorBackend*)\n'
+        f'  i=0; while [ ! -e {gate} ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done;;\nesac\n'
+        f'exec {java} "$@"\n')
     (home / "bin" / "java").chmod(0o755)
     script = tmp_path / "slow_executors.py"
     script.write_text(SLOW_EXECUTORS)
     env = {**os.environ, "JAVA_HOME": str(home), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env,
-                         cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(script), str(gate)], capture_output=True, text=True, timeout=240,
+                         env=env, cwd=tmp_path)
     found = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.stdout.splitlines()
              if line.startswith(("REFUSED ", "VALUE "))}
-    assert out.returncode == 0 and "VALUE" in found, out.stdout[-3000:] + out.stderr[-5000:]
+    assert out.returncode == 0 and "VALUE" in found and "REFUSED" in found, out.stdout[-3000:] + out.stderr[-5000:]
     # Refused after slot_wait_s (1 s), with the setting named, as a RuntimeError...
     kind, elapsed, message = found["REFUSED"].split(" ", 2)
-    assert kind == "InsufficientSlotsError" and 1 <= float(elapsed) < 10, found
+    assert kind == "InsufficientSlotsError" and 1 <= float(elapsed) < 30, found
     assert "SPARK-24819" in message and "RunConfig.slot_wait_s" in message
-    # ...and within a longer one, the drop-in waited for the executors and ran on both.
+    # ...and within a longer one, the drop-in, refused too at first, waited for the executors
+    # and ran on both.
+    assert "Spark refused the gang's barrier stage" in out.stderr
     assert float(found["VALUE"]) == (1 + 2) * 2.0
 
 
