@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,27 @@ from sparkdl.driver.output import DEDUPE_HOLD_S, RankOutput, dedupes, file_name
 from sparkdl.errors import ConfigError
 
 
-def test_lines_from_many_threads_reach_each_file_and_the_console_whole_and_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _consoles(monkeypatch: pytest.MonkeyPatch) -> tuple[io.StringIO, io.StringIO]:
+    """The driver's stdout and stderr, as strings."""
     out, err = io.StringIO(), io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
+    return out, err
+
+
+def _at_once(ranks: int, rank: Callable[[int], None]) -> None:
+    """``rank(r)`` for every rank, each in a thread of its own, as the channel's threads call the sink."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_lines_from_many_threads_reach_each_file_and_the_console_whole_and_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, err = _consoles(monkeypatch)
     sink = RankOutput(tmp_path / "logs", echo=True)
     ranks, lines = 8, 3000
 
@@ -34,11 +50,7 @@ def test_lines_from_many_threads_reach_each_file_and_the_console_whole_and_once(
         for i in range(lines):
             sink.line(1 if r == 7 else 0, r, "e" if i % 100 == 99 else "o", f"rank {r} line {i} " + "y" * (i % 300))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _at_once(ranks, rank)
     assert not sink.close(timeout_s=30)
     for r in range(ranks):
         written = (tmp_path / "logs" / file_name(r, 1 if r == 7 else 0)).read_text().splitlines()
@@ -112,9 +124,7 @@ def test_a_console_that_went_away_ends_the_writer_and_its_lines_are_counted(
 def test_dedupe_shows_rank_0_and_stderr_in_full_and_other_ranks_alike_lines_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out, err = io.StringIO(), io.StringIO()
-    monkeypatch.setattr(sys, "stdout", out)
-    monkeypatch.setattr(sys, "stderr", err)
+    out, err = _consoles(monkeypatch)
     ranks, epochs = 16, 30
     sink = RankOutput(tmp_path / "logs", echo=True, dedupe=True, world_size=ranks)
 
@@ -124,11 +134,7 @@ def test_dedupe_shows_rank_0_and_stderr_in_full_and_other_ranks_alike_lines_once
             sink.line(0, r, "o", f"rank {r} loss {i}")  # this rank's own
         sink.line(0, r, "e", "UserWarning: the same warning")
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _at_once(ranks, rank)
     assert not sink.close(timeout_s=30)
     shown = out.getvalue().splitlines()
     for i in range(epochs):
