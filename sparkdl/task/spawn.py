@@ -20,6 +20,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any, ClassVar, Protocol
@@ -43,6 +44,8 @@ MAX_HANDSHAKE_MESSAGE = 512
 NONCE_BYTES = 32
 # How many times a task starts a zygote that finds its address taken before it gives up on it.
 _MAX_STARTS = 3
+# The longest a thread waiting for a rank's exit reads the zygote's socket before another may.
+_READ_TURN_S = 0.2
 
 
 class ProcessHandle(Protocol):
@@ -93,6 +96,10 @@ class Zygote:
 
     def __init__(self, sock: socket.socket, key: bytes, timeout_s: float) -> None:
         self.sock = sock
+        # The ranks of one task (RunConfig.processes_per_task) are waited for from threads of
+        # their own: one reads the socket at a time, keeping the exit codes it reads for the others.
+        self._read_lock = threading.Lock()
+        self._exits: dict[int, int] = {}
         self.pid, uid = peer_credentials(sock)
         if uid != os.getuid():
             sock.close()
@@ -172,27 +179,43 @@ class Zygote:
         if len(data) > MAX_MESSAGE // 2:
             raise ZygoteError(f"the rank's environment is too large to send ({len(data)} bytes)")
         order = [fds[name] for name in fd_names if name in fds]
-        try:
-            socket.send_fds(self.sock, [data], order)
-        except OSError as exc:
-            raise ZygoteError(f"could not reach the zygote: {exc}") from exc
-        while True:
-            reply = self._recv(timeout_s)
-            if "pid" in reply:
-                pid = int(reply["pid"])
-                if proctree.parent_of(pid) not in (self.pid, None):
-                    # Never signal a pid the zygote merely named: it must be the zygote's child.
-                    raise ZygoteError(f"the zygote answered with pid {pid}, which is not its child")
-                return pid
-            if "error" in reply:
-                raise ZygoteError(f"the zygote could not fork: {reply['error']}")
-            # An exit report of an earlier rank whose task stopped waiting for it.
+        with self._read_lock:
+            try:
+                socket.send_fds(self.sock, [data], order)
+            except OSError as exc:
+                raise ZygoteError(f"could not reach the zygote: {exc}") from exc
+            while True:
+                reply = self._recv(timeout_s)
+                if "pid" in reply:
+                    pid = int(reply["pid"])
+                    if proctree.parent_of(pid) not in (self.pid, None):
+                        # Never signal a pid the zygote merely named: it must be the zygote's child.
+                        raise ZygoteError(f"the zygote answered with pid {pid}, which is not its child")
+                    # An exit kept for an earlier rank of this pid: that rank was reaped before.
+                    self._exits.pop(pid, None)
+                    return pid
+                if "error" in reply:
+                    raise ZygoteError(f"the zygote could not fork: {reply['error']}")
+                self._keep_exit(reply)  # a rank of this task, or one whose task stopped waiting
 
     def wait_exit(self, pid: int, timeout: float | None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            reply = self._recv(timeout)
-            if reply.get("exit") == pid:
-                return int(reply["code"])
+            with self._read_lock:
+                if pid in self._exits:
+                    return self._exits.pop(pid)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ZygoteTimeout(f"the zygote did not report rank pid {pid}'s exit within {timeout} s")
+                try:
+                    # A short read, so that another waiting thread gets its turn at the socket.
+                    self._keep_exit(self._recv(_READ_TURN_S if left is None else min(left, _READ_TURN_S)))
+                except ZygoteTimeout:
+                    continue
+
+    def _keep_exit(self, reply: dict[str, Any]) -> None:
+        if "exit" in reply:
+            self._exits[int(reply["exit"])] = int(reply["code"])
 
     def close(self, *, kill: bool = False) -> None:
         """Drops this connection; ``kill`` also ends a zygote that stopped answering in time."""
