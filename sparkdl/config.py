@@ -110,6 +110,15 @@ class RunConfig:
             collectives: for clusters whose MPI uses InfiniBand/RDMA). With ``"mpi"`` each task
             starts its rank's part of the job (no ssh); Open MPI 4 (``mpirun``, ``orted``) is
             needed on the driver and every executor, and Horovod built with MPI.
+        processes_per_task: rank processes in each Spark task (torchrun's ``--nproc_per_node``),
+            as Spark's ``TorchDistributor`` runs ``spark.task.resource.gpu.amount`` processes per
+            task. ``num_workers`` still counts ranks and must be a multiple of it: the gang is
+            ``num_workers / processes_per_task`` tasks. The ranks of one task are consecutive
+            (task ``t`` runs ranks ``t*P`` to ``t*P+P-1``), each in a process of its own with its
+            own lifeline, output and clean-up, and ``LOCAL_RANK`` numbers them within the task.
+            With GPUs each rank sees all of its task's GPUs and its device is
+            ``cuda:LOCAL_RANK`` (the task needs at least ``processes_per_task`` GPUs). A rank
+            that fails fails its whole task, and Spark reruns the gang. Torch backend only.
     """
 
     max_attempts: int | None = None
@@ -135,6 +144,7 @@ class RunConfig:
     outcome_wait_s: float = 10.0
     min_workers: int | None = None
     horovod_controller: str = "gloo"
+    processes_per_task: int = 1
 
     def __post_init__(self) -> None:
         int_at_least("max_attempts", self.max_attempts, 1, note=" (1 means no rerun)", allow_none=True)
@@ -155,6 +165,8 @@ class RunConfig:
         int_at_least("RunConfig.keep_checkpoints", self.keep_checkpoints, 1)
         int_at_least("RunConfig.min_workers", self.min_workers, 1, allow_none=True,
                      note=" (the fewest ranks a shrunk gang may run on)")
+        int_at_least("RunConfig.processes_per_task", self.processes_per_task, 1,
+                     note=" (rank processes in each Spark task)")
         if self.horovod_controller not in HOROVOD_CONTROLLERS:
             raise ConfigError(
                 f"RunConfig.horovod_controller={self.horovod_controller!r} is unknown; choose "

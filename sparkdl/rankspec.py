@@ -54,6 +54,8 @@ class RankSpec:
     checkpoint_url: str | None = None
     keep_checkpoints: int = RunConfig.keep_checkpoints
     horovod_controller: str = RunConfig.horovod_controller
+    # The ranks of this rank's Spark task (RunConfig.processes_per_task); this one is rank % it.
+    processes_per_task: int = 1
 
     @classmethod
     def of(cls, run: RunSpec, *, rank: int, host: str, gpu_ids: list[str], task_pid: int) -> RankSpec:
@@ -70,6 +72,7 @@ class RankSpec:
             checkpoint_url=run.checkpoint_url,
             keep_checkpoints=run.config.keep_checkpoints,
             horovod_controller=run.config.horovod_controller,
+            processes_per_task=run.config.processes_per_task,
         )
 
 
@@ -95,10 +98,11 @@ class GangSpec:
              checkpoints_refused: str | None = None) -> GangSpec:
         if spec.gpu_ids:
             # Each rank sees exactly its task's GPUs (CUDA_VISIBLE_DEVICES), so in torchrun's terms
-            # every task is a node of one process (--nproc_per_node=1): LOCAL_RANK 0 of 1, device
-            # cuda:0, and a rank given several GPUs sees them as cuda:0, cuda:1, ... A host-wide
-            # LOCAL_RANK would send torchrun code's set_device(LOCAL_RANK) to a GPU it cannot see.
-            local_rank, local_world = 0, 1
+            # every task is a node of processes_per_task processes (--nproc_per_node): LOCAL_RANK
+            # numbers the ranks of the task, each one's device is cuda:LOCAL_RANK (with one rank
+            # per task: cuda:0, and a rank given several GPUs sees them as cuda:0, cuda:1, ...). A
+            # host-wide LOCAL_RANK would send set_device(LOCAL_RANK) to a GPU the rank cannot see.
+            local_rank, local_world = spec.rank % spec.processes_per_task, spec.processes_per_task
         else:
             local_rank, local_world = hosts[: spec.rank].count(spec.host), hosts.count(spec.host)
         return cls(attempt, tuple(hosts), master_port, local_rank, local_world, checkpoints_refused)
@@ -120,6 +124,7 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
         PREFIX + "INIT_PROCESS_GROUP": "1" if spec.init_process_group else "0",
         PREFIX + "KEEP_CHECKPOINTS": str(spec.keep_checkpoints),
         PREFIX + "HOROVOD_CONTROLLER": spec.horovod_controller,
+        PREFIX + "PROCESSES_PER_TASK": str(spec.processes_per_task),
     }
     if spec.task_pid is not None:
         # The Python worker running this rank's Spark task (a forked rank's parent is the zygote).
@@ -188,6 +193,7 @@ def read_rank(env: Mapping[str, str] | None = None) -> RankSpec:
         checkpoint_url=env.get(PREFIX + "CHECKPOINT_DIR") or None,
         keep_checkpoints=int(env.get(PREFIX + "KEEP_CHECKPOINTS", RunConfig.keep_checkpoints)),
         horovod_controller=env.get(PREFIX + "HOROVOD_CONTROLLER", RunConfig.horovod_controller),
+        processes_per_task=int(env.get(PREFIX + "PROCESSES_PER_TASK", "1")),
     )
 
 

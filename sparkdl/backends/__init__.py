@@ -22,8 +22,8 @@ class Backend(Protocol):
     def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
         """Prepares the rank process before the user's function is unpickled and called.
 
-        ``use_cuda``: the rank runs on ``cuda:0``, which the rank process has already made the
-        current device.
+        ``use_cuda``: the rank runs on ``cuda:LOCAL_RANK`` (``cuda:0`` with one rank per task),
+        which the rank process has already made the current device.
         """
 
     def teardown_rank(self) -> None:

@@ -106,6 +106,9 @@ class TorchDistributor:
             one task slot each (and, unlike Spark's class, the gang reruns when a rank fails).
         use_gpu: give each process one GPU; on a cluster this needs
             ``spark.task.resource.gpu.amount``, in local mode ``spark.driver.resource.gpu.amount``.
+            As in Spark's class, with ``spark.task.resource.gpu.amount=P`` a run is
+            ``num_processes / P`` Spark tasks of P processes each (``RunConfig.processes_per_task``):
+            every process sees its task's P GPUs and takes ``cuda:LOCAL_RANK``.
             As in Spark's class, local mode lowers ``num_processes`` to the driver's GPUs.
         config: sparkdl's bounds and settings (:class:`sparkdl.RunConfig`).
 
@@ -148,11 +151,14 @@ class TorchDistributor:
         self.use_gpu = use_gpu
         self._config = config
         # Spark's order: the GPU confs first, then the number of processes.
-        self.num_processes = _gpu_processes(num_processes, local_mode) if use_gpu else num_processes
+        self.num_processes, per_task = _gpu_processes(num_processes, local_mode) if use_gpu else (num_processes, 1)
         if self.num_processes < 1:
             raise ConfigError(positive)
-        # Spark's class: one Spark task per process (sparkdl runs one rank per task).
-        self.num_tasks = self.num_processes
+        # As in Spark's class: with spark.task.resource.gpu.amount=P, num_processes / P tasks of P
+        # processes each (torchrun's --nproc_per_node), each process with its own LOCAL_RANK.
+        self.num_tasks = self.num_processes // per_task
+        if per_task > 1:
+            self._config = (config or RunConfig()).replace(processes_per_task=per_task)
         # Public in Spark's class: the settings its run passes on.
         self.input_params: dict[str, Any] = {
             "num_processes": self.num_processes, "local_mode": local_mode, "use_gpu": use_gpu,
@@ -247,8 +253,9 @@ def _whole_gpus(session: Any, key: str, where: str) -> int:
     )
 
 
-def _gpu_processes(num_processes: int, local_mode: bool) -> int:
-    """``num_processes`` as the GPU confs allow it, checked where and as Spark's class checks them."""
+def _gpu_processes(num_processes: int, local_mode: bool) -> tuple[int, int]:
+    """``num_processes`` as the GPU confs allow it, checked where and as Spark's class checks them,
+    and the processes each Spark task runs (one a GPU of the task; 1 in local mode)."""
     session = _active_session()
     if session is None:
         raise GpuConfigError(
@@ -264,7 +271,7 @@ def _gpu_processes(num_processes: int, local_mode: bool) -> int:
                 f"num_processes must be a multiple of {TASK_GPU_CONF}, as in Spark's class; use "
                 f"num_processes={low or per_task}" + (f" or {low + per_task}" if low else "")
             )
-        return num_processes
+        return num_processes, per_task
     available = _whole_gpus(session, DRIVER_GPU_CONF, "of the driver")
     if not is_remote(session) and "gpu" not in session.sparkContext.resources:
         raise GpuConfigError(
@@ -278,8 +285,8 @@ def _gpu_processes(num_processes: int, local_mode: bool) -> int:
             "(%s); running %d processes, as Spark's TorchDistributor does",
             num_processes, available, DRIVER_GPU_CONF, available,
         )
-        return available
-    return num_processes
+        return available, 1
+    return num_processes, 1
 
 
 def _driver_gpus(num_processes: int) -> list[str]:

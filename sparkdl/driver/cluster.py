@@ -45,8 +45,9 @@ def stage_attempts(conf: Any) -> int:
     return int(conf.get("spark.stage.maxConsecutiveAttempts", str(DEFAULT_STAGE_ATTEMPTS)))
 
 
-def check_cluster(api: SparkApi, num_workers: int, cfg: RunConfig) -> None:
-    """Returns once ``num_workers`` slots are free at once; InsufficientSlotsError after ``slot_wait_s``.
+def check_cluster(api: SparkApi, num_workers: int, cfg: RunConfig, *, tasks: int | None = None) -> None:
+    """Returns once the gang's ``tasks`` slots (one per rank unless said) are free at once;
+    InsufficientSlotsError after ``slot_wait_s``.
     Over Spark Connect only the slots the master URL fixes are known, and none counts as busy."""
     conf = api.confs()
     master = api.master
@@ -55,6 +56,7 @@ def check_cluster(api: SparkApi, num_workers: int, cfg: RunConfig) -> None:
             "Spark's barrier mode, which sparkdl.run uses, does not support dynamic allocation: "
             "set spark.dynamicAllocation.enabled=false for this application"
         )
+    tasks = num_workers if tasks is None else tasks
     deadline = time.monotonic() + cfg.slot_wait_s
     while True:
         total = api.task_slots()
@@ -62,7 +64,7 @@ def check_cluster(api: SparkApi, num_workers: int, cfg: RunConfig) -> None:
             return
         busy = api.busy_slots()
         free = total - (busy or 0)
-        if free >= num_workers:
+        if free >= tasks:
             return
         if api.remote or time.monotonic() >= deadline:  # Connect sees no busy slot to wait for
             break
@@ -77,12 +79,13 @@ def check_cluster(api: SparkApi, num_workers: int, cfg: RunConfig) -> None:
             f"spark.executor.resource.gpu.amount={conf.get('spark.executor.resource.gpu.amount', 'unset')}"
         )
     raise InsufficientSlotsError(
-        f"num_workers={num_workers} needs {num_workers} task slots at once, but the cluster has "
+        f"num_workers={num_workers} needs {tasks} task slots at once"
+        + (f" ({cfg.processes_per_task} ranks in each)" if tasks != num_workers else "") + ", but the cluster has "
         f"{total} (master {master}, spark.task.cpus={task_cpus}{gpu_part}) of which {free} are free "
         f"{waited}. Lower num_workers, or add "
         "executors or cores (spark.executor.instances, spark.executor.cores, local[N]), or lower "
         "spark.task.cpus",
-        required=num_workers,
+        required=tasks,
         available=max(free, 0),
     )
 

@@ -91,15 +91,15 @@ def slots_refused(error: BaseException | None) -> bool:
     return error is not None and _SLOTS_CHECK in str(error)
 
 
-def too_few_slots(num_workers: int, waited_s: float, master: str) -> InsufficientSlotsError:
-    """The error when Spark refused the gang's barrier stage for too few slots for ``waited_s``."""
+def too_few_slots(num_workers: int, tasks: int, waited_s: float, master: str) -> InsufficientSlotsError:
+    """The error when Spark refused the gang's barrier stage (``tasks`` slots) for too few slots for ``waited_s``."""
     return InsufficientSlotsError(
-        f"num_workers={num_workers} needs {num_workers} task slots at once, but Spark refused the gang's "
+        f"num_workers={num_workers} needs {tasks} task slots at once, but Spark refused the gang's "
         f"barrier stage for too few slots ({_SLOTS_CHECK}) for slot_wait_s={waited_s:g} s (master {master}). "
         "If executors are still starting, raise RunConfig.slot_wait_s; otherwise lower num_workers, or add "
         "executors or cores (spark.executor.instances, spark.executor.cores), or lower spark.task.cpus "
         "or spark.task.resource.gpu.amount",
-        required=num_workers,
+        required=tasks,
         available=0,  # Spark does not say how many it found
     )
 

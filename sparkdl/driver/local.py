@@ -212,7 +212,8 @@ def run_on_driver(
     private directory (a ConfigError before any process starts when that is not private). The
     ranks' output files (``.../<run id>/logs``) stay only when the console did not show every line.
     """
-    cfg = config or RunConfig()
+    # On the driver every rank has one GPU of its own: there are no tasks to share theirs.
+    cfg = (config or RunConfig()).replace(processes_per_task=1)
     int_at_least("the number of processes", num_processes, 1)
     if gpu_ids is not None and len(gpu_ids) < num_processes:
         raise ConfigError(

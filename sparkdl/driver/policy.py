@@ -32,7 +32,7 @@ class Decision(enum.Enum):
 class Slots:
     """Task slots for the gang that waits to be scheduled after a failed attempt, when too few."""
 
-    needed: int  # ranks of the gang Spark tries to schedule
+    needed: int  # tasks of the gang Spark tries to schedule (ranks / RunConfig.processes_per_task)
     free: int  # slots free for it now (all slots less those other jobs hold)
     short_since: float  # since when fewer than ``needed`` have been free
 
@@ -229,12 +229,13 @@ def reschedule(snapshot: Snapshot, cfg: RunConfig) -> Verdict | None:
         return None
     if snapshot.now - slots.short_since <= cfg.slot_wait_s:
         return Verdict(Decision.WAIT)
-    if slots.free >= cfg.min_workers:
+    ranks = slots.free * cfg.processes_per_task  # the ranks the free slots hold
+    if ranks >= cfg.min_workers:
         return Verdict(
             Decision.RERUN,
             f"{slots.describe()} after slot_wait_s={cfg.slot_wait_s:g} s (RunConfig.slot_wait_s): "
-            f"the next attempt runs on {slots.free} ranks (RunConfig.min_workers={cfg.min_workers})",
-            world_size=slots.free,
+            f"the next attempt runs on {ranks} ranks (RunConfig.min_workers={cfg.min_workers})",
+            world_size=ranks,
         )
     return Verdict(
         Decision.STOP,

@@ -105,8 +105,10 @@ def launch(
     each rank sees only the GPUs Spark gave its task (``CUDA_VISIBLE_DEVICES``), so it is what
     torchrun makes of a node started with ``--nproc_per_node=1``: ``LOCAL_RANK`` 0,
     ``LOCAL_WORLD_SIZE`` 1, device ``cuda:0``; with ``spark.task.resource.gpu.amount=2`` the one
-    rank of a task drives both GPUs, ``cuda:0`` and ``cuda:1`` (``num_workers`` counts tasks,
-    not GPUs). When any rank fails, Spark reruns the whole gang, up to ``max_attempts`` times in all;
+    rank of a task drives both GPUs, ``cuda:0`` and ``cuda:1``. With
+    ``RunConfig(processes_per_task=P)`` each task runs P ranks instead (``--nproc_per_node=P``):
+    ``num_workers`` ranks on ``num_workers / P`` tasks, ``LOCAL_RANK`` 0 .. P-1 within a task,
+    each rank's device ``cuda:LOCAL_RANK`` among its task's GPUs. When any rank fails, Spark reruns the whole gang, up to ``max_attempts`` times in all;
     ``sparkdl.context().attempt`` tells the rank which attempt it is in. With
     ``RunConfig(min_workers=M)``, a rerun that cannot get ``num_workers`` task slots (an executor
     lost for good) goes on with fewer ranks, at least ``M``; ``RunResult.world_sizes`` says how many.
@@ -162,14 +164,15 @@ def launch(
         )
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is unknown; choose one of {', '.join(map(repr, BACKENDS))}")
+    tasks = _tasks(num_workers, backend, cfg.processes_per_task)
     fn_bytes = pickle_payload(fn, args, kwargs)
     check_driver(backend, cfg)
 
-    session = resolve_session(spark, num_workers)
+    session = resolve_session(spark, tasks)
     api = spark_api.of(session)
     conf = api.confs()
     gpu = cluster.resolve_gpu(conf, use_gpu)
-    cluster.check_cluster(api, num_workers, cfg)
+    cluster.check_cluster(api, num_workers, cfg, tasks=tasks)
     cluster.check_executor_python(api)
     attempts_allowed = cfg.max_attempts if cfg.max_attempts is not None else cluster.stage_attempts(conf)
 
@@ -220,3 +223,23 @@ def launch(
             except Exception as exc:  # a tracking server's trouble must not hide the run's outcome
                 log.warning("sparkdl: logging to MLflow failed: %s: %s", type(exc).__name__, exc)
     return result
+
+
+def _tasks(num_workers: int, backend: str, per_task: int) -> int:
+    """The Spark tasks of a gang of ``num_workers`` ranks, ``per_task`` rank processes in each."""
+    if per_task == 1:
+        return num_workers
+    if backend != "torch":
+        raise ConfigError(
+            f"RunConfig.processes_per_task={per_task} runs several torch ranks in each Spark task; "
+            f"backend={backend!r} runs one rank per task: set processes_per_task=1 (and, on GPUs, "
+            "spark.task.resource.gpu.amount=1), or use backend='torch'"
+        )
+    if num_workers % per_task:
+        low = num_workers - num_workers % per_task
+        raise ConfigError(
+            f"num_workers={num_workers} is not a multiple of RunConfig.processes_per_task={per_task}: "
+            f"each Spark task runs {per_task} ranks; use num_workers={low or per_task}"
+            + (f" or {low + per_task}" if low else "")
+        )
+    return num_workers // per_task

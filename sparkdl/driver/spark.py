@@ -104,11 +104,13 @@ class SparkLauncher(Launcher):
                         # them first). Spark's own rechecks do not cover a stage submitted by
                         # adaptive execution, so the job is submitted again, within slot_wait_s.
                         if time.monotonic() + _SLOTS_RETRY_S > slots_until:
-                            raise too_few_slots(job.run.world_size, cfg.slot_wait_s, api.master)
+                            raise too_few_slots(job.run.world_size, job.run.world_size // cfg.processes_per_task,
+                                                cfg.slot_wait_s, api.master)
                         if job_index == 1:
                             log.warning("sparkdl: Spark refused the gang's barrier stage: the cluster has fewer "
                                         "than %d task slots yet (executors still registering?); submitting it "
-                                        "again until slot_wait_s=%g s", job.run.world_size, cfg.slot_wait_s)
+                                        "again until slot_wait_s=%g s", job.run.world_size // cfg.processes_per_task,
+                                        cfg.slot_wait_s)
                         time.sleep(_SLOTS_RETRY_S)
                         continue
                     if monitor.attempts_seen() == before and outcome.verdict is None and before > 0:
@@ -139,11 +141,11 @@ class SparkLauncher(Launcher):
         session, api = self.session, self.api
         outcome = _Outcome()
         done = threading.Event()
-        n = payload.run.world_size
+        n = payload.run.world_size // cfg.processes_per_task  # the gang's Spark tasks
 
         def job() -> None:
             try:
-                api.tag_jobs(group, f"sparkdl.run: {n} ranks")
+                api.tag_jobs(group, f"sparkdl.run: {payload.run.world_size} ranks")
                 df: Any = (
                     session.range(0, n, 1, n)
                     .mapInArrow(functools.partial(task_main, payload), _RESULT_SCHEMA, barrier=True)

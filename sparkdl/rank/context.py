@@ -34,8 +34,9 @@ class RunContext:
         rank: global rank, 0 .. world_size - 1.
         world_size: number of ranks in the gang.
         local_rank: index of this rank among the devices it can see: on GPUs each rank sees only
-            the GPUs Spark assigned to its task, so this is 0; on CPUs it is the index of this
-            rank among the ranks on the same host.
+            the GPUs Spark assigned to its task, so this is its index among the ranks of its task
+            (0 unless ``RunConfig.processes_per_task`` > 1); on CPUs it is the index of this rank
+            among the ranks on the same host.
         local_world_size: ranks that share ``local_rank``'s numbering.
         attempt: 0 on the first run of the gang, 1 on its first rerun, and so on.
         run_id: identifier shared by every rank of every attempt of the run.
@@ -61,10 +62,11 @@ class RunContext:
 
     @property
     def device(self) -> torch.device:
-        """``cuda:0`` (the first GPU this rank sees) when the rank runs on a GPU, else ``cpu``."""
+        """``cuda:LOCAL_RANK`` when the rank runs on a GPU (``cuda:0``, the first GPU it sees, with
+        one rank per task), else ``cpu``."""
         import torch
 
-        return torch.device("cuda", 0) if self.use_cuda else torch.device("cpu")
+        return torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
 
     @property
     def checkpoints(self) -> CheckpointStore:

@@ -109,15 +109,16 @@ def _close_on_exec() -> None:
                 pass  # the listing's own descriptor, closed by now
 
 
-def _use_cuda(spec: rankspec.RankSpec) -> bool:
+def _use_cuda(spec: rankspec.RankSpec, gang: rankspec.GangSpec) -> bool:
     """The rank's device, decided and set once: the GPUs Spark assigned, when this torch can use them."""
     if not spec.gpu_ids:
         return False
     import torch
 
     if torch.cuda.is_available():
-        # Each rank sees exactly its own GPUs, so its device is cuda:0, for every backend.
-        torch.cuda.set_device(0)
+        # Each rank sees exactly its task's GPUs: its device is cuda:LOCAL_RANK (cuda:0 with one
+        # rank per task), for every backend.
+        torch.cuda.set_device(gang.local_rank)
         return True
     print(
         f"sparkdl: Spark assigned GPU(s) {','.join(spec.gpu_ids)} to this rank, but "
@@ -161,7 +162,7 @@ def _run(workdir: Path, control: int) -> int:
         stage = "setting up the backend"
         from sparkdl.backends import get_backend
 
-        use_cuda = _use_cuda(spec)
+        use_cuda = _use_cuda(spec, gang)
         # Written to the environment so that threads and processes of this rank see it too.
         os.environ.update(rankspec.device_env(use_cuda))
         backend = get_backend(spec.backend)

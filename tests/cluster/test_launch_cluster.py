@@ -133,3 +133,73 @@ def test_too_many_gpu_workers_fail_fast_naming_gpu_confs(gpu_cluster, no_leaks) 
         sparkdl.InsufficientSlotsError, match=r"spark\.task\.resource\.gpu\.amount=1"
     ):
         sparkdl.run(who_am_i, num_workers=5, config=cfg)
+
+
+def torchrun_facts() -> dict[str, Any]:
+    """What code written for torchrun reads, as Spark's TorchDistributor runs it (init included)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    env = os.environ
+    facts = {key: env.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                           "CUDA_VISIBLE_DEVICES", "SPARKDL_TASK_PID")}
+    facts["pid"] = os.getpid()
+    facts["device"] = str(sparkdl.context().device)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, facts)
+    dist.destroy_process_group()
+    return {"ranks": everyone}
+
+
+def test_torch_distributor_runs_a_process_per_gpu_of_each_task_as_sparks_does(
+    two_gpus_per_task, executor_gpus, no_leaks
+) -> None:  # type: ignore[no-untyped-def]
+    from pyspark.ml.torch.distributor import TorchDistributor as SparkTD
+
+    kwargs = {"num_processes": 4, "local_mode": False, "use_gpu": True}
+    distributor = sparkdl.TorchDistributor(**kwargs, config=CFG)
+    # Four GPUs in all, two a task: two tasks of two processes (torchrun's --nproc_per_node=2).
+    assert distributor.input_params == SparkTD(**kwargs).input_params
+    assert distributor.num_tasks == 2
+    ranks = distributor.run(torchrun_facts)["ranks"]
+    allocated = executor_gpus()
+    assert [r["RANK"] for r in ranks] == ["0", "1", "2", "3"] and {r["WORLD_SIZE"] for r in ranks} == {"4"}
+    assert len({r["pid"] for r in ranks}) == 4  # a process of its own for each rank
+    for task in (ranks[:2], ranks[2:]):
+        # The two ranks of a task: one Spark task (and worker), its two GPUs seen by both, in
+        # Spark's order, each rank its own LOCAL_RANK (its device; cpu here, a CPU build of torch).
+        assert task[0]["SPARKDL_TASK_PID"] == task[1]["SPARKDL_TASK_PID"]
+        assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"]) for r in task] == [("0", "2"), ("1", "2")]
+        assert task[0]["CUDA_VISIBLE_DEVICES"] == task[1]["CUDA_VISIBLE_DEVICES"]
+        assert set(task[0]["CUDA_VISIBLE_DEVICES"].split(",")) in allocated.values(), (task, allocated)
+    assert ranks[0]["SPARKDL_TASK_PID"] != ranks[2]["SPARKDL_TASK_PID"]
+    assert ranks[0]["CUDA_VISIBLE_DEVICES"] != ranks[2]["CUDA_VISIBLE_DEVICES"]
+
+
+def last_rank_fails_first(tmp: str) -> list[int]:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    ctx = sparkdl.context()
+    if ctx.attempt == 0 and ctx.rank == ctx.world_size - 1:
+        raise RuntimeError("the last rank fails in attempt 0")
+    if ctx.attempt == 0 and ctx.rank == ctx.world_size - 2:
+        # Its sibling in the same task is busy outside any collective: no peer's failure reaches
+        # it. Only the task ending its ranks ends it (else the run's timeout_s would stop the run).
+        time.sleep(600)
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    with open(f"{tmp}/attempt{ctx.attempt}-rank{ctx.rank}", "w") as f:
+        f.write(str(os.getpid()))
+    return [ctx.attempt, int(t.item())]
+
+
+def test_a_failed_rank_ends_its_tasks_other_ranks_and_the_gang_reruns(cluster, no_leaks, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = CFG.replace(processes_per_task=2, timeout_s=120, max_attempts=2)
+    result = sparkdl.launch(last_rank_fails_first, str(tmp_path), num_workers=4, config=cfg)
+    assert result.value == [1, 6]
+    assert result.attempts == 2 and result.world_sizes == [4, 4]
+    # Attempt 0's surviving ranks never passed the all-reduce; attempt 1's four all did.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"attempt1-rank{r}" for r in range(4)]

@@ -46,6 +46,15 @@ def test_a_gang_short_of_slots_waits_then_shrinks_or_stops(
         assert f"RunConfig.min_workers={min_workers}" in verdict.reason and "slot_wait_s=5" in verdict.reason
 
 
+def test_a_shrunk_gang_of_several_ranks_per_task_counts_ranks_not_slots() -> None:
+    # Two ranks in each task: 3 free slots hold 6 ranks, enough for min_workers=5 of 8.
+    cfg = RunConfig(min_workers=5, slot_wait_s=5, processes_per_task=2)
+    verdict = judge(_waiting(Slots(needed=4, free=3, short_since=40.0)), cfg)
+    assert (verdict.decision, verdict.world_size) == (Decision.RERUN, 6)
+    assert verdict.reason is not None and "runs on 6 ranks" in verdict.reason
+    assert judge(_waiting(Slots(needed=4, free=2, short_since=40.0)), cfg).decision is Decision.STOP
+
+
 def test_without_min_workers_the_gang_waits_until_start_timeout_and_says_slots_are_missing() -> None:
     cfg = RunConfig(slot_wait_s=5, start_timeout_s=30)
     slots = Slots(needed=4, free=1, short_since=11.0)
@@ -72,3 +81,15 @@ def test_min_workers_must_be_a_positive_integer(bad: Any) -> None:
 def test_min_workers_above_num_workers_is_refused_before_any_spark_work() -> None:
     with pytest.raises(sparkdl.ConfigError, match=r"RunConfig\.min_workers=3 is more than num_workers=2"):
         sparkdl.run(print, num_workers=2, config=RunConfig(min_workers=3))
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"num_workers": 3}, r"num_workers=3 is not a multiple of RunConfig\.processes_per_task=2.*num_workers=2 or 4"),
+    ({"num_workers": 1}, r"num_workers=1 is not a multiple .*use num_workers=2$"),
+    ({"num_workers": 4, "backend": "horovod"}, r"processes_per_task=2 .* backend='horovod' runs one rank per task"),
+])
+def test_ranks_that_do_not_fill_their_tasks_are_refused_before_any_spark_work(kwargs: dict[str, Any], says: str) -> None:
+    with pytest.raises(sparkdl.ConfigError, match=says):
+        sparkdl.run(print, config=RunConfig(processes_per_task=2), **kwargs)
+    with pytest.raises(sparkdl.ConfigError, match=r"RunConfig\.processes_per_task must be an integer >= 1"):
+        RunConfig(processes_per_task=0)

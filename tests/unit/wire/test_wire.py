@@ -108,6 +108,19 @@ def test_a_rank_with_gpus_sees_only_its_own_and_is_local_rank_0() -> None:
     assert rank_env(spec)["CUDA_VISIBLE_DEVICES"] == "3"
 
 
+def test_ranks_sharing_a_task_and_its_gpus_are_numbered_within_it_as_torchrun_does() -> None:
+    # RunConfig(processes_per_task=2): task 1 holds ranks 2 and 3 and both of its GPUs.
+    run = RunSpec("r1", 4, "torch", True, "file:///ckpt", RunConfig(processes_per_task=2))
+    told = []
+    for rank in (2, 3):
+        spec = RankSpec.of(run, rank=rank, host="h", gpu_ids=["2", "3"], task_pid=1)
+        gang = GangSpec.form(spec, attempt=0, hosts=["g", "g", "h", "h"], master_port=1)
+        env = {**rank_env(spec), **gang_env(spec, gang)}
+        assert read_rank(env) == spec and read_gang(env) == gang
+        told.append((env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["CUDA_VISIBLE_DEVICES"]))
+    assert told == [("0", "2", "2,3"), ("1", "2", "2,3")]
+
+
 def test_reading_a_rank_outside_a_run_says_where_it_works() -> None:
     with pytest.raises(NotInRunError, match=r"inside a function launched by sparkdl\.run"):
         read_rank({})
