@@ -17,6 +17,7 @@ import os
 import signal
 import time
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -25,6 +26,15 @@ def set_subreaper(on: bool = True) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent() -> bool:
+    """This process gets SIGKILL when its parent ends (Linux); False where that is not possible."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 

@@ -2,7 +2,8 @@
 
 The Spark task that starts this process holds the write end of a "lifeline" pipe. When the task
 ends for any reason, even SIGKILL, the pipe reaches end-of-file and this process kills everything
-it started, so a rank never outlives the task that owns it. The rank is a child subreaper
+it started, so a rank never outlives the task that owns it (a watchdog process does it when native
+code holding the GIL keeps the rank's own thread from running). The rank is a child subreaper
 (:mod:`sparkdl.proctree`): what its descendants start and orphan, even in a session of its own,
 stays below it, and ends when the rank ends.
 
@@ -15,6 +16,7 @@ a collective answers too); the task sends that signal when the driver asks befor
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -34,6 +36,9 @@ LIFELINE_FRAME = "sparkdl_lifeline"
 # A real-time signal, not SIGUSR1: libraries give that one meanings of their own (SLURM requeue).
 STACK_SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 _stacks_file: IO[bytes] | None = None
+# How long the watchdog process leaves the rank's own lifeline thread to end the rank.
+_WATCHDOG_GRACE_S = 1.0
+_MAX_FD = 1 << 16
 
 
 def _enable_stack_dumps(workdir: Path) -> None:
@@ -48,6 +53,38 @@ def _enable_stack_dumps(workdir: Path) -> None:
         os.replace(tmp, workdir / STACKS_FILE)
     except (OSError, RuntimeError, ValueError):
         pass  # no stacks for the report; the rank runs as before
+
+
+def _start_watchdog(fd: int) -> None:
+    """Forks a small process that ends this rank when the lifeline closes, should the rank's own
+    lifeline thread not get to run: native code that blocks while holding the GIL (TensorFlow's
+    ``MultiWorkerMirroredStrategy()`` waiting for its peers) stops every Python thread of the
+    rank. The watchdog gives the thread :data:`_WATCHDOG_GRACE_S`, then SIGKILLs what is below
+    the rank and the rank's process group (itself with it). It dies with the rank (SIGKILL on
+    its parent's end), holds no descriptor but the lifeline, and runs no Python of the rank's."""
+    rank = os.getpid()
+    if os.fork() != 0:
+        return
+    try:  # the watchdog, from here to os._exit
+        proctree.die_with_parent()
+        os.closerange(0, fd)
+        os.closerange(fd + 1, _MAX_FD)
+        if os.getppid() != rank:
+            os._exit(0)  # the rank is gone already
+        with contextlib.suppress(OSError):
+            while os.read(fd, 4096):
+                pass
+        time.sleep(_WATCHDOG_GRACE_S)  # still alive: the rank did not end itself
+        me = os.getpid()
+        for pid in proctree.descendants(rank):
+            if pid != me:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(rank, signal.SIGKILL)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def _watch_lifeline(fd: int) -> None:
@@ -113,6 +150,8 @@ def _use_cuda(spec: rankspec.RankSpec, gang: rankspec.GangSpec) -> bool:
     """The rank's device, decided and set once: the GPUs Spark assigned, when this torch can use them."""
     if not spec.gpu_ids:
         return False
+    if spec.backend == "tensorflow":
+        return True  # TensorFlow places its own work on the GPUs it sees; torch stays off them
     import torch
 
     if torch.cuda.is_available():
@@ -136,6 +175,7 @@ def main(workdir: Path | None = None) -> int:
         sys.stderr.write("sparkdl.rank is started by sparkdl's launchers, not by hand\n")
         return 2
     proctree.set_subreaper()
+    _start_watchdog(lifeline)
     _watch_lifeline(lifeline)
     _enable_stack_dumps(workdir)
     try:
@@ -153,6 +193,11 @@ def _run(workdir: Path, control: int) -> int:
 
         if spec.backend in ("torch", "horovod"):
             import torch.distributed  # noqa: F401
+        elif spec.backend == "tensorflow":
+            from sparkdl.backends.tfdist import prepare_rank_env
+
+            prepare_rank_env()
+            import tensorflow  # noqa: F401
         with os.fdopen(control) as pipe:
             told = pipe.read()
         if not told:
