@@ -11,6 +11,8 @@
 #   SPARKDL_VENV           the venv to create or reuse (default: .venv for modern, .venv-<stack> otherwise)
 #   SPARKDL_WITH_HOROVOD   1: also install Horovod with PyTorch and Gloo (compiled once, ~3 min, then cached
 #                          in SPARKDL_WHEEL_CACHE, default ~/.cache/sparkdl/wheels); default 0
+#   SPARKDL_WITH_TENSORFLOW 1: also install TensorFlow's CPU build and tf-keras (modern stack only: the
+#                          pins are in constraints/modern.txt; about 1.3 GB); default 0
 #   SPARKDL_TORCH          torch requirement to install first (default: torch==2.13.0, the CPU build here)
 #   SPARKDL_TORCH_INDEX    a wheel index for torch, e.g. https://download.pytorch.org/whl/cu126 for a CUDA build
 #   SPARKDL_PYTHON         the Python interpreter that creates the venv (default: python3)
@@ -27,6 +29,7 @@ esac
 VENV="${SPARKDL_VENV:-$DEFAULT_VENV}"
 CONSTRAINTS="$ROOT/constraints/$STACK.txt"
 WITH_HOROVOD="${SPARKDL_WITH_HOROVOD:-0}"
+WITH_TENSORFLOW="${SPARKDL_WITH_TENSORFLOW:-0}"
 TORCH_REQ="${SPARKDL_TORCH:-torch==2.13.0}"
 TORCH_INDEX="${SPARKDL_TORCH_INDEX:-}"
 PYTHON="${SPARKDL_PYTHON:-python3}"
@@ -97,6 +100,19 @@ ensure_venv() {
   echo "$want" > "$stamp_file"
 }
 
+ensure_tensorflow() {
+  [ "$WITH_TENSORFLOW" = "1" ] && [ "$STACK" = "modern" ] || return 0
+  local want
+  want="$(grep -E '^(tensorflow-cpu|tf-keras)==' "$CONSTRAINTS" | tr '\n' ' ')"
+  [ "$(cat "$VENV/.sparkdl-tensorflow" 2>/dev/null)" = "$want" ] && return 0
+  log "installing TensorFlow (CPU build) and tf-keras in $VENV"
+  # tf-keras names the full "tensorflow" distribution; with the CPU build in place it needs nothing
+  # more, so it goes in without its dependencies.
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" tensorflow-cpu >&2
+  "$VENV/bin/python" -m pip install -q --no-deps -c "$CONSTRAINTS" tf-keras >&2
+  echo "$want" > "$VENV/.sparkdl-tensorflow"
+}
+
 ensure_horovod() {
   # It keeps its own stamp (Horovod, torch and Python versions): a rerun costs one Python start.
   [ "$WITH_HOROVOD" = "1" ] || return 0
@@ -106,6 +122,7 @@ ensure_horovod() {
 ensure_java
 ensure_netns_tools
 ensure_venv
+ensure_tensorflow
 # Read by tools/build-horovod.sh, so that a venv gets its own stack's pins.
 [ "$(cat "$VENV/.sparkdl-stack" 2>/dev/null)" = "$STACK" ] || echo "$STACK" > "$VENV/.sparkdl-stack"
 ensure_horovod

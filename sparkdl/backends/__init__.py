@@ -1,6 +1,6 @@
 """Distributed backends: what each needs on the driver (a check) and in the rank process (setup).
 
-A backend is chosen by name (``run(..., backend="torch"|"horovod")``); :func:`get_backend` is the
+A backend is chosen by name (``run(..., backend="torch"|"horovod"|"tensorflow")``); :func:`get_backend` is the
 only way to get one, and it imports nothing heavy until a method is called.
 """
 
@@ -30,7 +30,7 @@ class Backend(Protocol):
         """Releases what setup_rank created; called after the user's function returns."""
 
 
-BACKENDS = ("torch", "horovod")
+BACKENDS = ("torch", "horovod", "tensorflow")
 
 
 def check_driver(name: str, config: RunConfig) -> None:
@@ -57,4 +57,8 @@ def get_backend(name: str) -> Backend:
         from sparkdl.backends.hvd import HorovodBackend
 
         return HorovodBackend()
+    if name == "tensorflow":
+        from sparkdl.backends.tfdist import TensorflowBackend
+
+        return TensorflowBackend()
     raise ConfigError(f"backend={name!r} is unknown; choose one of {', '.join(map(repr, BACKENDS))}")

@@ -1,4 +1,5 @@
-"""Drop-in replacements for Databricks' ``HorovodRunner`` and Spark's ``TorchDistributor``.
+"""Drop-in replacements for Databricks' ``HorovodRunner``, Spark's ``TorchDistributor`` and
+spark-tensorflow-distributor's ``MirroredStrategyRunner`` (:mod:`sparkdl.compat.tf_distributor`).
 
 Change one import and existing code runs on sparkdl, with gang rerun, live rank-tagged logs,
 time bounds and the failure report::
@@ -23,23 +24,24 @@ from pathlib import Path
 from typing import Any
 
 from sparkdl._validate import is_int
+from sparkdl.compat.gpus import (
+    DRIVER_GPU_CONF,
+    TASK_GPU_CONF,
+    active_session,
+    driver_gpus,
+    whole_gpus,
+)
+from sparkdl.compat.gpus import (
+    GpuConfigError as GpuConfigError,
+)
+from sparkdl.compat.tf_distributor import MirroredStrategyRunner as MirroredStrategyRunner
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError
 from sparkdl.spark_api import is_remote
 
 log = logging.getLogger(__name__)
 
-TASK_GPU_CONF = "spark.task.resource.gpu.amount"
-DRIVER_GPU_CONF = "spark.driver.resource.gpu.amount"
 LOG_VERBOSITIES = ("log_callback_only", "all")
-
-
-class GpuConfigError(ConfigError, RuntimeError):
-    """``use_gpu=True``, but the Spark confs give the processes no GPU (or no whole GPUs).
-
-    Also a ``RuntimeError``: Spark's ``TorchDistributor`` raises one for the same confs at the
-    same point (its constructor), so code written for it catches this one too.
-    """
 
 
 class HorovodRunner:
@@ -188,7 +190,7 @@ class TorchDistributor:
             from sparkdl.driver.local import run_on_driver
 
             return run_on_driver(fn, call_args, kwargs, num_processes=self.num_processes, backend="torch",
-                                 gpu_ids=_driver_gpus(self.num_processes) if self.use_gpu else None,
+                                 gpu_ids=driver_gpus(self.num_processes) if self.use_gpu else None,
                                  config=self._config)
         from sparkdl.driver.run import run
 
@@ -216,54 +218,17 @@ def _check_call(what: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> No
         ) from None
 
 
-def _active_session() -> Any:
-    from pyspark.sql import SparkSession
-
-    return SparkSession.getActiveSession()
-
-
-def _conf(session: Any, key: str) -> str | None:
-    """Spark conf ``key`` of ``session``, or None when unset.
-
-    ``session.conf`` answers for classic and Spark Connect sessions alike (a Connect session has
-    no ``sparkContext``); it holds the confs the session was built with.
-    """
-    value = session.conf.get(key, None)
-    return None if value is None else str(value)
-
-
-_GPU_SETUP = {
-    TASK_GPU_CONF: f"set {TASK_GPU_CONF}=1 with spark.executor.resource.gpu.amount and "
-                   "spark.executor.resource.gpu.discoveryScript (`sparkdl conf gpu` prints them)",
-    DRIVER_GPU_CONF: f"set {DRIVER_GPU_CONF} to the driver's GPUs with "
-                     "spark.driver.resource.gpu.discoveryScript (`sparkdl conf gpu-discovery --path`)",
-}
-
-
-def _whole_gpus(session: Any, key: str, where: str) -> int:
-    """The whole number of GPUs conf ``key`` gives; GpuConfigError when unset, 0 or fractional."""
-    raw = _conf(session, key)
-    amount = float(raw) if raw else 0.0
-    if amount >= 1 and amount.is_integer():
-        return int(amount)
-    state = "is unset" if not amount else f"is {raw}, not a whole number of GPUs"
-    raise GpuConfigError(
-        f"TorchDistributor(use_gpu=True) gives each process a GPU {where}, but '{key}' {state}; "
-        f"{_GPU_SETUP[key]}, or pass use_gpu=False"
-    )
-
-
 def _gpu_processes(num_processes: int, local_mode: bool) -> tuple[int, int]:
     """``num_processes`` as the GPU confs allow it, checked where and as Spark's class checks them,
     and the processes each Spark task runs (one a GPU of the task; 1 in local mode)."""
-    session = _active_session()
+    session = active_session()
     if session is None:
         raise GpuConfigError(
             "TorchDistributor(use_gpu=True) reads the GPU confs of the active SparkSession, but "
             "there is none; create one first (SparkSession.builder...getOrCreate()), or pass use_gpu=False"
         )
     if not local_mode:
-        per_task = _whole_gpus(session, TASK_GPU_CONF, "of its Spark task")
+        per_task = whole_gpus(session, TASK_GPU_CONF, "of its Spark task")
         if num_processes % per_task:
             low = num_processes - num_processes % per_task
             raise GpuConfigError(
@@ -272,7 +237,7 @@ def _gpu_processes(num_processes: int, local_mode: bool) -> tuple[int, int]:
                 f"num_processes={low or per_task}" + (f" or {low + per_task}" if low else "")
             )
         return num_processes, per_task
-    available = _whole_gpus(session, DRIVER_GPU_CONF, "of the driver")
+    available = whole_gpus(session, DRIVER_GPU_CONF, "of the driver")
     if not is_remote(session) and "gpu" not in session.sparkContext.resources:
         raise GpuConfigError(
             f"TorchDistributor(local_mode=True, use_gpu=True): {DRIVER_GPU_CONF}={available}, but Spark "
@@ -287,25 +252,6 @@ def _gpu_processes(num_processes: int, local_mode: bool) -> tuple[int, int]:
         )
         return available, 1
     return num_processes, 1
-
-
-def _driver_gpus(num_processes: int) -> list[str]:
-    """The driver's GPU addresses, one per process to be."""
-    session = _active_session()
-    if session is None:
-        raise GpuConfigError(
-            "TorchDistributor(local_mode=True, use_gpu=True) takes the driver's GPUs from the "
-            "active SparkSession, but there is none; create one first, or pass use_gpu=False"
-        )
-    if is_remote(session):
-        # The processes run here, on the client, as Spark's do under Spark Connect: the server
-        # driver's GPU addresses mean nothing on this machine, so rank i takes its i-th GPU.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            return [gpu for gpu in visible.split(",") if gpu]
-        return [str(i) for i in range(num_processes)]
-    resources = session.sparkContext.resources
-    return list(resources["gpu"].addresses) if "gpu" in resources else []
 
 
 def run_script_source(source: str, filename: str, argv: list[str]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from sparkdl._validate import int_at_least
 from sparkdl.backends import check_driver
+from sparkdl.backends.tfdist import reserve_port, tf_config
 from sparkdl.config import RunConfig
 from sparkdl.driver import policy
 from sparkdl.driver.launcher import Job, Launcher, pickle_payload
@@ -76,6 +77,7 @@ class LocalLauncher(Launcher):
         gangs: list[GangSpec] = []
         mpi: list[Endpoint] = []
         mpirun: Mpirun | None = None
+        reserved: list[socket.socket] = []  # the TensorFlow ranks' ports
         finished = False
         try:
             for rank in range(run.world_size):
@@ -94,6 +96,11 @@ class LocalLauncher(Launcher):
                 procs.append(proc)
                 gangs.append(GangSpec.form(spec, attempt=0, hosts=hosts, master_port=listener.getsockname()[1]))
             job_envs: list[dict[str, str] | None] = [None] * run.world_size
+            if run.backend == "tensorflow":
+                ports = [reserve_port(_HOST) for _ in range(run.world_size)]
+                reserved.extend(ports)
+                endpoints = [(_HOST, sock.getsockname()[1]) for sock in ports]
+                job_envs = [tf_config(endpoints, r) for r in range(run.world_size)]
             if run.backend == "horovod" and cfg.horovod_controller == "mpi":
                 # One Open MPI job of the local ranks (sparkdl.task.mpi), formed before they are told the gang.
                 secret = secrets.token_bytes(32)
@@ -123,7 +130,8 @@ class LocalLauncher(Launcher):
                 endpoint.close()
             for proc in procs:
                 proc.close()
-            listener.close()
+            for sock in (listener, *reserved):
+                sock.close()
             shutil.rmtree(root, ignore_errors=True)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkdl.backends.tfdist import reserve_port, tf_config
 from sparkdl.rankspec import GangSpec, RankSpec
 from sparkdl.reach import not_shared
 from sparkdl.task.link import DriverLink, reach_driver
@@ -64,6 +65,8 @@ class Lane:
         # Horovod's MPI controller: this rank's part of the gang's MPI job (sparkdl.task.mpi).
         self.mpi: Endpoint | None = None
         self.mpirun: Mpirun | None = None
+        # backend="tensorflow": the port of this rank's TensorFlow server, held until the rank ends.
+        self.tf_port: socket.socket | None = None
         self._orders: threading.Thread | None = None
         self._hello: Hello | None = None
         self._unshared: str | None = None
@@ -84,6 +87,8 @@ class Lane:
             start_timeout_s=run.config.connect_timeout_s, tail_lines=run.config.log_tail_lines,
             fallback_out=sys.stdout, fallback_err=sys.stderr,
         )
+        if run.backend == "tensorflow":
+            self.tf_port = reserve_port(host)
         if run.backend == "horovod" and run.config.horovod_controller == "mpi":
             self.mpi = Endpoint(host, self.secret, self.rank, self.workdir,
                                 handshake_timeout_s=run.config.handshake_timeout_s)
@@ -99,7 +104,8 @@ class Lane:
         """What the rest of the gang learns of this rank (through ``allGather``)."""
         port = self.listener.getsockname()[1] if self.listener else None
         return {"host": self.spec.host, "port": port, "tid": self.tid, "direct": self.conn is not None,
-                "hub": hub_port, "mpi": self.mpi.port if self.mpi else None, "unshared": self._unshared}
+                "hub": hub_port, "mpi": self.mpi.port if self.mpi else None, "unshared": self._unshared,
+                "tf": self.tf_port.getsockname()[1] if self.tf_port else None}
 
     def _refuse_unshared(self) -> None:
         if self._unshared is not None and self._strict:
@@ -129,7 +135,7 @@ class Lane:
         if not reply.go or reply.attempt is None:
             raise RankFailed(f"sparkdl driver stopped rank {rank}: {reply.reason}")
         attempt = link.attempt = reply.attempt
-        job_env = None
+        job_env = tf_config([(m["host"], m["tf"]) for m in members], rank) if self.tf_port else None
         if self.mpi is not None:
             job_env, self.mpirun = _join_mpi(self.mpi, members, self.spec, self.workdir, self.secret, link,
                                              cfg.connect_timeout_s)
@@ -185,9 +191,10 @@ class Lane:
             self.proc.close()
 
     def release(self) -> None:
-        """Frees the rest: the listener, the channel, the thread that read it, the workdir."""
-        if self.listener is not None:
-            self.listener.close()
+        """Frees the rest: the listeners and reserved port, the channel, the thread that read it, the workdir."""
+        for sock in (self.listener, self.tf_port):
+            if sock is not None:
+                sock.close()
         if self.conn is not None:
             self.conn.close()
         if self._orders is not None:

@@ -1,0 +1,102 @@
+"""TensorFlow on the gang: ``backend="tensorflow"`` and spark-tensorflow-distributor's runner.
+
+Each rank is a worker of ``tf.distribute.MultiWorkerMirroredStrategy`` whose ``TF_CONFIG`` comes
+from the gang; a Keras ``model.fit`` under the strategy trains the same weights on every rank
+from different data. TensorFlow is installed in the modern stack only (constraints/modern.txt).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+import sparkdl
+from sparkdl.compat import MirroredStrategyRunner
+
+pytest.importorskip("tensorflow", reason="TensorFlow is installed on the modern stack only (tools/bootstrap.sh)")
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.spark
+
+CFG = sparkdl.RunConfig(timeout_s=180, start_timeout_s=120)
+
+
+def fit_on_every_rank(out: str) -> dict[str, Any]:
+    import numpy as np
+    import tensorflow as tf
+
+    ctx = sparkdl.context()
+    if ctx.attempt == 0 and ctx.rank == 1:
+        # Rank 0 is inside MultiWorkerMirroredStrategy() then, waiting for this worker: only the
+        # gang's end ends it, and the rerun forms the cluster again on new ports.
+        raise RuntimeError("rank 1 fails in attempt 0")
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+        model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+    rng = np.random.default_rng(ctx.rank)  # each rank's own data
+    x = rng.random((64, 4), dtype=np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1, keepdims=True))).batch(16)
+    history = model.fit(data, epochs=3, verbose=0)
+    np.save(f"{out}/rank{ctx.rank}.npy", np.concatenate([w.ravel() for w in model.get_weights()]))
+    return {"replicas": strategy.num_replicas_in_sync, "loss": history.history["loss"],
+            "tf_config": json.loads(__import__("os").environ["TF_CONFIG"]), "keras": type(model).__module__}
+
+
+def test_keras_fit_under_multi_worker_mirrored_strategy_trains_on_every_rank_and_reruns(  # type: ignore[no-untyped-def]
+    spark, no_leaks, tmp_path: Path
+) -> None:
+    import numpy as np
+
+    result = sparkdl.launch(fit_on_every_rank, str(tmp_path), num_workers=2, backend="tensorflow",
+                            config=CFG.replace(max_attempts=2))
+    out = result.value
+    assert result.attempts == 2
+    assert out["replicas"] == 2 and out["loss"][-1] < out["loss"][0]
+    # The cluster is the gang: each worker on its task's own address (never a wildcard), rank order.
+    workers = out["tf_config"]["cluster"]["worker"]
+    assert len(workers) == 2 and all(w.startswith("127.0.0.1:") for w in workers) and len(set(workers)) == 2
+    assert out["tf_config"]["task"] == {"type": "worker", "index": 0}
+    # Keras 2 (tf-keras), the Keras that trains under the strategy.
+    assert out["keras"].startswith("tf_keras.")
+    # Different data on each rank, the same weights after training: the gradients were all-reduced.
+    first, second = (np.load(tmp_path / f"rank{r}.npy") for r in range(2))
+    np.testing.assert_allclose(first, second, rtol=1e-6)
+
+
+def single_worker_keras(epochs: int) -> dict[str, Any]:
+    # Written for spark-tensorflow-distributor: no distribution code, the runner supplies the strategy.
+    import numpy as np
+    import tensorflow as tf
+
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(8, activation="relu"),
+                                 tf.keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).random((128, 3), dtype=np.float32)
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, x[:, :1] * 2)).batch(32), epochs=epochs, verbose=0)
+    return {"loss": history.history["loss"], "replicas": tf.distribute.get_strategy().num_replicas_in_sync}
+
+
+def test_mirrored_strategy_runner_runs_code_written_for_it(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    runner = MirroredStrategyRunner(num_slots=2, use_gpu=False, config=CFG)
+    assert runner.get_num_tasks() == 2
+    out = runner.run(single_worker_keras, epochs=2)
+    assert out["replicas"] == 2 and len(out["loss"]) == 2
+    # Local mode: one worker on the driver, the strategy supplied all the same.
+    local = MirroredStrategyRunner(num_slots=1, local_mode=True, use_gpu=False, config=CFG).run(single_worker_keras, epochs=1)
+    assert local["replicas"] == 1 and len(local["loss"]) == 1
+
+
+@pytest.mark.parametrize(("kwargs", "raised", "says"), [
+    ({"num_slots": 0}, ValueError, r"num_slots cannot be less than or equal to 0"),
+    ({"num_slots": 2, "local_mode": True, "use_gpu": False}, ValueError, r"local mode runs one CPU worker.*num_slots=1"),
+    ({"num_slots": 2}, RuntimeError, r"'spark\.task\.resource\.gpu\.amount' is unset.*use_gpu=False"),
+    ({"num_slots": 2, "gpu_resource_name": "accelerator"}, ValueError, r"name them 'gpu'"),
+])
+def test_mirrored_strategy_runner_refuses_what_it_cannot_run(spark, kwargs: dict[str, Any], raised: type, says: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(raised, match=says):
+        MirroredStrategyRunner(**kwargs)
