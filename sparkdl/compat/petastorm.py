@@ -141,9 +141,9 @@ class SparkDatasetConverter:
         """
         raise BackendUnavailableError(
             "make_tf_dataset is not available in sparkdl's converter, which makes torch data loaders only "
-            "(make_torch_dataloader). For tf.data, read the converter's Parquet (converter.cache_dir_url) "
-            "with sparkdl.Dataset(...).loader(...) and wrap it in tf.data.Dataset.from_generator, or use "
-            "Petastorm's own converter where it runs (pyspark 3.5, pyarrow < 15, no Spark Connect)"
+            "(make_torch_dataloader). For tf.data, use converter.dataset().tf_dataset(batch_size, rank=cur_shard, "
+            "world_size=shard_count): this rank's share with equal steps on every rank (sparkdl.Dataset.tf_dataset), "
+            "or Petastorm's own converter where it runs (pyspark 3.5, pyarrow < 15, no Spark Connect)"
         )
 
     def delete(self) -> None:

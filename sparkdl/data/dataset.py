@@ -206,6 +206,25 @@ class Dataset(ParquetFiles):
         )
 
 
+    def tf_dataset(self, batch_size: int, **loader_args: Any) -> Any:
+        """This rank's batches as a ``tf.data.Dataset`` (``backend="tensorflow"``): the loader of
+        :meth:`loader` with the same arguments, seen by TensorFlow (:mod:`sparkdl.data.tfdata`).
+
+        Create the strategy first: TensorFlow refuses ``MultiWorkerMirroredStrategy()`` after
+        any other TensorFlow op ("Collective ops must be configured at program startup").
+
+        Example::
+
+            def train(ds):
+                strategy = tf.distribute.MultiWorkerMirroredStrategy()
+                with strategy.scope():
+                    model = make_model()
+                model.fit(ds.tf_dataset(64, seed=7).map(lambda b: (b["features"], b["label"])), epochs=3)
+        """
+        from sparkdl.data.tfdata import tf_dataset
+
+        return tf_dataset(self.loader(batch_size, **loader_args))
+
 def written(url: str, manifest: Manifest) -> Dataset:
     """The handle of a dataset ``write_dataset`` has just written, without reading it back."""
     ds = Dataset.__new__(Dataset)

@@ -100,3 +100,76 @@ def test_mirrored_strategy_runner_runs_code_written_for_it(spark, no_leaks) -> N
 def test_mirrored_strategy_runner_refuses_what_it_cannot_run(spark, kwargs: dict[str, Any], raised: type, says: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(raised, match=says):
         MirroredStrategyRunner(**kwargs)
+
+
+def fit_from_the_dataset(ds: Any, out: str) -> int:
+    import numpy as np
+    import tensorflow as tf
+
+    ctx = sparkdl.context()
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # TensorFlow wants it before any other op
+    data = ds.tf_dataset(8, seed=3)
+    ids = np.concatenate([batch["id"].numpy() for batch in data])  # one pass: this rank's share
+    np.save(f"{out}/ids{ctx.rank}.npy", ids)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+        model.compile(tf.keras.optimizers.SGD(0.05), "mse")
+    history = model.fit(data.map(lambda b: (b["features"], b["label"])), epochs=2, verbose=0)
+    return int(data.cardinality().numpy()) * 100 + len(history.history["loss"])
+
+
+def test_a_dataset_feeds_keras_as_tf_data_with_equal_steps_and_disjoint_shares(  # type: ignore[no-untyped-def]
+    spark, no_leaks, tmp_path: Path
+) -> None:
+    import numpy as np
+    from pyspark.sql import functions as F
+
+    df = spark.range(50).select(
+        "id", F.array(*(F.col("id").cast("float") / 50 for _ in range(3))).alias("features"),
+        (F.col("id").cast("float") / 25).alias("label"))
+    ds = sparkdl.write_dataset(df, tmp_path / "ds", num_files=2, row_group_rows=10)
+    steps_and_epochs = sparkdl.run(fit_from_the_dataset, ds, str(tmp_path), num_workers=2, backend="tensorflow",
+                                   config=CFG)
+    # 50 rows, 2 ranks, batches of 8: 25 rows and 4 steps on each rank, 2 epochs.
+    assert steps_and_epochs == 4 * 100 + 2
+    first, second = (np.load(tmp_path / f"ids{r}.npy") for r in range(2))
+    assert len(first) == len(second) == 25
+    assert sorted([*first, *second]) == list(range(50))  # every row once, on one rank or the other
+
+
+def keras_model_under_ddp() -> dict[str, Any]:
+    import os
+
+    os.environ["KERAS_BACKEND"] = "torch"  # before Keras is imported in the rank
+    import keras
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = sparkdl.context()
+    keras.utils.set_random_seed(0)  # the same initial weights on every rank (DDP checks it too)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.rand(32, 4, generator=torch.Generator().manual_seed(ctx.rank))  # each rank's own data
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.zeros_like(weights) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, weights)
+    return {"backend": keras.backend.backend(), "module": isinstance(model, torch.nn.Module),
+            "same": all(torch.equal(everyone[0], w) for w in everyone), "params": weights.numel(),
+            "first": losses[0], "last": losses[-1]}
+
+
+def test_a_keras_3_model_trains_with_ddp_on_the_torch_backend(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    out = sparkdl.run(keras_model_under_ddp, num_workers=2, config=CFG)
+    # Keras 3 on torch: the model is a torch module, DDP all-reduces its gradients.
+    assert out["backend"] == "torch" and out["module"]
+    assert out["params"] == 4 * 8 + 8 + 8 + 1 and out["same"]
+    assert out["last"] < out["first"]
