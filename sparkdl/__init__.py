@@ -20,6 +20,7 @@ from sparkdl.errors import (
     SparkDLError,
 )
 from sparkdl.rank.context import RunContext, context
+from sparkdl.train.keras import keras_checkpoint, keras_resume
 from sparkdl.train.state import TrainState
 from sparkdl.train.store import CheckpointStore
 
@@ -47,6 +48,8 @@ __all__ = [
     "TorchModel",
     "TrainState",
     "context",
+    "keras_checkpoint",
+    "keras_resume",
     "launch",
     "run",
     "write_dataset",

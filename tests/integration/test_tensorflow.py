@@ -30,24 +30,27 @@ def fit_on_every_rank(out: str) -> dict[str, Any]:
     import tensorflow as tf
 
     ctx = sparkdl.context()
-    if ctx.attempt == 0 and ctx.rank == 1:
-        # Rank 0 is inside MultiWorkerMirroredStrategy() then, waiting for this worker: only the
-        # gang's end ends it, and the rerun forms the cluster again on new ports.
-        raise RuntimeError("rank 1 fails in attempt 0")
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
-        model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+        model.compile(tf.keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+        start = sparkdl.keras_resume(model)  # attempt 1: after attempt 0's last checkpoint
+    if ctx.rank == 0:
+        np.save(f"{out}/start{ctx.attempt}.npy", np.concatenate([w.ravel() for w in model.get_weights()]))
     rng = np.random.default_rng(ctx.rank)  # each rank's own data
     x = rng.random((64, 4), dtype=np.float32)
     data = tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1, keepdims=True))).batch(16)
-    history = model.fit(data, epochs=3, verbose=0)
-    np.save(f"{out}/rank{ctx.rank}.npy", np.concatenate([w.ravel() for w in model.get_weights()]))
-    return {"replicas": strategy.num_replicas_in_sync, "loss": history.history["loss"],
+    epochs = 2 if ctx.attempt == 0 else 3
+    history = model.fit(data, epochs=epochs, initial_epoch=start, verbose=0, callbacks=[sparkdl.keras_checkpoint()])
+    weights = np.concatenate([w.ravel() for w in model.get_weights()])
+    np.save(f"{out}/end{ctx.attempt}-rank{ctx.rank}.npy", weights)
+    if ctx.attempt == 0 and ctx.rank == 1:
+        raise RuntimeError("rank 1 fails after two epochs of attempt 0")
+    return {"replicas": strategy.num_replicas_in_sync, "start": start, "epochs": history.epoch,
             "tf_config": json.loads(__import__("os").environ["TF_CONFIG"]), "keras": type(model).__module__}
 
 
-def test_keras_fit_under_multi_worker_mirrored_strategy_trains_on_every_rank_and_reruns(  # type: ignore[no-untyped-def]
+def test_keras_fit_under_multi_worker_mirrored_strategy_trains_on_every_rank_and_resumes(  # type: ignore[no-untyped-def]
     spark, no_leaks, tmp_path: Path
 ) -> None:
     import numpy as np
@@ -55,8 +58,10 @@ def test_keras_fit_under_multi_worker_mirrored_strategy_trains_on_every_rank_and
     result = sparkdl.launch(fit_on_every_rank, str(tmp_path), num_workers=2, backend="tensorflow",
                             config=CFG.replace(max_attempts=2))
     out = result.value
-    assert result.attempts == 2
-    assert out["replicas"] == 2 and out["loss"][-1] < out["loss"][0]
+    assert result.attempts == 2 and out["replicas"] == 2
+    # Attempt 1 went on from attempt 0's checkpoint of epoch 1: one epoch left, from its weights.
+    assert out["start"] == 2 and out["epochs"] == [2]
+    np.testing.assert_array_equal(np.load(tmp_path / "start1.npy"), np.load(tmp_path / "end0-rank0.npy"))
     # The cluster is the gang: each worker on its task's own address (never a wildcard), rank order.
     workers = out["tf_config"]["cluster"]["worker"]
     assert len(workers) == 2 and all(w.startswith("127.0.0.1:") for w in workers) and len(set(workers)) == 2
@@ -64,8 +69,9 @@ def test_keras_fit_under_multi_worker_mirrored_strategy_trains_on_every_rank_and
     # Keras 2 (tf-keras), the Keras that trains under the strategy.
     assert out["keras"].startswith("tf_keras.")
     # Different data on each rank, the same weights after training: the gradients were all-reduced.
-    first, second = (np.load(tmp_path / f"rank{r}.npy") for r in range(2))
-    np.testing.assert_allclose(first, second, rtol=1e-6)
+    for attempt in (0, 1):
+        first, second = (np.load(tmp_path / f"end{attempt}-rank{r}.npy") for r in range(2))
+        np.testing.assert_allclose(first, second, rtol=1e-6)
 
 
 def single_worker_keras(epochs: int) -> dict[str, Any]:
