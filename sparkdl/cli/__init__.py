@@ -107,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds one attempt may run once all ranks started (default: no limit)")
     run.add_argument("--start-timeout", type=_positive_float, default=120.0,
                      help="seconds for all ranks to be scheduled and start (default: %(default)s)")
-    run.add_argument("--backend", choices=("torch", "horovod"), default="torch",
+    run.add_argument("--backend", choices=("torch", "horovod", "tensorflow"), default="torch",
                      help="torch: torch.distributed, as torchrun; horovod: one Horovod job of N ranks, "
-                     "as horovodrun, for scripts that call hvd.init() (default: %(default)s)")
+                     "as horovodrun, for scripts that call hvd.init(); tensorflow: each rank a worker of "
+                     "MultiWorkerMirroredStrategy, TF_CONFIG set (default: %(default)s)")
     gpu = run.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="gpu", action="store_const", const=True, default=None,
                      help="one GPU per rank (needs spark.task.resource.gpu.amount)")
