@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sparkdl.errors import BackendUnavailableError, ConfigError
+from sparkdl.errors import ConfigError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -134,17 +134,15 @@ class SparkDatasetConverter:
     def make_tf_dataset(self, batch_size: int | None = None, prefetch: int | None = None, num_epochs: int | None = None,
                         workers_count: int | None = None, shuffling_queue_capacity: int | None = None,
                         **petastorm_reader_kwargs: Any) -> Any:
-        """Not available: sparkdl's converter makes torch data loaders only.
-
-        Raises:
-            BackendUnavailableError: always, naming what to use instead.
+        """A context manager whose value is a ``tf.data.Dataset`` of batches as Petastorm's: one
+        namedtuple of tensors a batch (``batch.features``), ``num_epochs`` passes over the shard
+        (None: without end), ``prefetch`` batches ahead (None: TensorFlow's autotuning). The
+        shard, the keywords and the refusals are :meth:`make_torch_dataloader`'s; every shard has
+        the same batches per epoch. Needs TensorFlow (``backend="tensorflow"`` ranks have it).
         """
-        raise BackendUnavailableError(
-            "make_tf_dataset is not available in sparkdl's converter, which makes torch data loaders only "
-            "(make_torch_dataloader). For tf.data, use converter.dataset().tf_dataset(batch_size, rank=cur_shard, "
-            "world_size=shard_count): this rank's share with equal steps on every rank (sparkdl.Dataset.tf_dataset), "
-            "or Petastorm's own converter where it runs (pyspark 3.5, pyarrow < 15, no Spark Connect)"
-        )
+        options = _reader_options(batch_size or 32, num_epochs, workers_count, shuffling_queue_capacity or 0, None,
+                                  petastorm_reader_kwargs)
+        return _tf_dataset(self, options, prefetch)
 
     def delete(self) -> None:
         """Deletes the converter's files (``cache_dir_url``)."""
@@ -212,6 +210,19 @@ class TorchDataLoader:
 
     def close(self) -> None:
         self._loader.close()
+
+
+@contextlib.contextmanager
+def _tf_dataset(converter: SparkDatasetConverter, options: dict[str, Any], prefetch: int | None) -> Iterator[Any]:
+    from sparkdl.data.tfdata import named_batches, tf_dataset
+
+    opts = dict(options)
+    num_epochs = opts.pop("num_epochs")
+    loader = converter.dataset(opts.pop("storage_options")).loader(**opts)
+    try:
+        yield named_batches(tf_dataset(loader), num_epochs, prefetch)
+    finally:
+        loader.close()
 
 
 def make_spark_converter(

@@ -63,3 +63,16 @@ def _arrays(batch: dict[str, Any]) -> dict[str, Any]:
 
     return {name: np.array(value, dtype=object) if isinstance(value, list) else value.numpy()
             for name, value in batch.items()}
+
+
+def named_batches(dataset: Any, num_epochs: int | None, prefetch: int | None) -> Any:
+    """``dataset``'s batches as Petastorm's ``make_tf_dataset`` gives them: a namedtuple of
+    tensors a batch, ``num_epochs`` passes (None: without end), ``prefetch`` ahead (None: autotune)."""
+    import collections
+
+    import tensorflow as tf
+
+    row = collections.namedtuple("inferred_schema_view", list(dataset.element_spec))  # type: ignore[misc]
+    named = dataset.map(lambda batch: row(**batch))
+    named = named.repeat(num_epochs) if num_epochs is not None else named.repeat()
+    return named.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)

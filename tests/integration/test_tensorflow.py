@@ -179,3 +179,43 @@ def test_a_keras_3_model_trains_with_ddp_on_the_torch_backend(spark, no_leaks) -
     assert out["backend"] == "torch" and out["module"]
     assert out["params"] == 4 * 8 + 8 + 8 + 1 and out["same"]
     assert out["last"] < out["first"]
+
+
+def converter_feeds_keras(converter: Any, out: str) -> list[int]:
+    # As Petastorm's documentation feeds Keras: make_tf_dataset, the namedtuple batches mapped to (x, y).
+    import numpy as np
+    import tensorflow as tf
+
+    ctx = sparkdl.context()
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with converter.make_tf_dataset(batch_size=8, num_epochs=1, cur_shard=ctx.rank, shard_count=ctx.world_size) as ds:
+        ids = np.concatenate([batch.id.numpy() for batch in ds])
+    np.save(f"{out}/conv{ctx.rank}.npy", ids)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+        model.compile(tf.keras.optimizers.SGD(0.05), "mse")
+    with converter.make_tf_dataset(batch_size=8, cur_shard=ctx.rank, shard_count=ctx.world_size) as ds:
+        history = model.fit(ds.map(lambda x: (x.features, x.label)), steps_per_epoch=3, epochs=2, verbose=0)
+    return history.epoch
+
+
+def test_petastorms_make_tf_dataset_feeds_keras_on_every_rank(spark, no_leaks, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+    from pyspark.sql import functions as F
+
+    from sparkdl.compat.petastorm import SparkDatasetConverter, make_spark_converter
+
+    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, f"file://{tmp_path}/cache")
+    try:
+        df = spark.range(40).select(
+            "id", F.array(*(F.col("id").cast("double") / 40 for _ in range(3))).alias("features"),
+            (F.col("id").cast("double") / 20).alias("label"))
+        converter = make_spark_converter(df)
+        epochs = sparkdl.run(converter_feeds_keras, converter, str(tmp_path), num_workers=2, backend="tensorflow",
+                             config=CFG)
+        converter.delete()
+    finally:
+        spark.conf.unset(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF)
+    assert epochs == [0, 1]  # without end (num_epochs=None): fit took 3 steps twice
+    first, second = (np.load(tmp_path / f"conv{r}.npy") for r in range(2))
+    assert len(first) == len(second) == 20 and sorted([*first, *second]) == list(range(40))
