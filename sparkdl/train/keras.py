@@ -15,7 +15,12 @@ Example::
             model = make_model()
             model.compile(optimizer="adam", loss="mse")
             start = sparkdl.keras_resume(model)            # 0, or the epoch after the last checkpoint
+        data = ds.tf_dataset(64, seed=7, epoch=start).map(lambda b: (b["features"], b["label"]))
         model.fit(data, epochs=10, initial_epoch=start, callbacks=[sparkdl.keras_checkpoint()])
+
+Passing ``epoch=start`` to the loader makes the resumed epochs read the rows in the order an
+uninterrupted run would have (the shuffle depends on seed and epoch); resume is at epoch
+boundaries: the steps of an epoch that failed midway run again.
 """
 
 from __future__ import annotations
