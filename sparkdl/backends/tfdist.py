@@ -18,6 +18,8 @@ import importlib.util
 import json
 import os
 import socket
+import tempfile
+from pathlib import Path
 
 from sparkdl.errors import BackendUnavailableError
 from sparkdl.rankspec import GangSpec, RankSpec, read_fd
@@ -48,10 +50,15 @@ def tf_config(endpoints: list[tuple[str, int]], rank: int) -> dict[str, str]:
     return {"TF_CONFIG": json.dumps(config)}
 
 
-def prepare_rank_env() -> None:
+def prepare_rank_env(workdir: Path) -> None:
     """Set in a TensorFlow rank before TensorFlow is imported: Keras 2 for ``tf.keras`` when it
-    is installed (see the module's description), and TensorFlow's C++ INFO and WARNING lines off (every
-    line a rank prints on stderr reaches the driver's console)."""
+    is installed (see the module's description), TensorFlow's C++ INFO and WARNING lines off (every
+    line a rank prints on stderr reaches the driver's console), and the rank's temporary files in
+    its workdir, which goes with the rank: AutoGraph's generated modules are removed only by an
+    exit handler, which a rank (ended by ``os._exit``) never runs."""
+    tmp = workdir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    tempfile.tempdir = str(tmp)
     if importlib.util.find_spec("tf_keras") is not None:
         os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

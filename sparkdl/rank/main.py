@@ -196,7 +196,7 @@ def _run(workdir: Path, control: int) -> int:
         elif spec.backend == "tensorflow":
             from sparkdl.backends.tfdist import prepare_rank_env
 
-            prepare_rank_env()
+            prepare_rank_env(workdir)
             import tensorflow  # noqa: F401
         with os.fdopen(control) as pipe:
             told = pipe.read()

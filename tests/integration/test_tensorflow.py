@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +135,11 @@ def test_a_dataset_feeds_keras_as_tf_data_with_equal_steps_and_disjoint_shares( 
         "id", F.array(*(F.col("id").cast("float") / 50 for _ in range(3))).alias("features"),
         (F.col("id").cast("float") / 25).alias("label"))
     ds = sparkdl.write_dataset(df, tmp_path / "ds", num_files=2, row_group_rows=10)
+    generated = set(Path(tempfile.gettempdir()).glob("__autograph_generated_file*"))
     steps_and_epochs = sparkdl.run(fit_from_the_dataset, ds, str(tmp_path), num_workers=2, backend="tensorflow",
                                    config=CFG)
+    # AutoGraph's generated modules went with the ranks' workdirs, not left in the temp directory.
+    assert set(Path(tempfile.gettempdir()).glob("__autograph_generated_file*")) <= generated
     # 50 rows, 2 ranks, batches of 8: 25 rows and 4 steps on each rank, 2 epochs.
     assert steps_and_epochs == 4 * 100 + 2
     first, second = (np.load(tmp_path / f"ids{r}.npy") for r in range(2))
