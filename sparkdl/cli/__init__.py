@@ -16,6 +16,10 @@
     Prints a configuration template that ships with sparkdl (``sparkdl conf`` lists them;
     ``--path`` gives the installed file, e.g. the GPU discovery script).
 
+``sparkdl pack -o env.tar.gz``
+    Packs this venv (without pyspark and py4j) into an archive for ``spark-submit --archives
+    env.tar.gz#env`` and executors that have nothing installed; prints the settings that use it.
+
 ``doctor`` and ``run`` take ``--master URL`` for a Spark session of their own, or ``--remote sc://host:port`` (else
 ``spark.remote`` from ``--conf``, else ``$SPARK_REMOTE``) to be a Spark Connect client; giving
 both is a usage error.
@@ -24,7 +28,7 @@ Exit status: 0 success, 1 a failed check or run, 2 a usage error, 124 a run that
 
 The parser is here; ``doctor`` lives in :mod:`sparkdl.cli.preflight` (driver checks),
 :mod:`sparkdl.cli.cluster` and :mod:`sparkdl.cli.probe` (the executors), ``run`` in
-:mod:`sparkdl.cli.run`.
+:mod:`sparkdl.cli.run`, ``pack`` in :mod:`sparkdl.cli.pack`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import argparse
 from collections.abc import Sequence
 
 from sparkdl.cli.options import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, add_spark_options
+from sparkdl.cli.pack import add_parser as add_pack_parser
 from sparkdl.cli.preflight import MIN_JAVA, MIN_PYARROW_FOR_SPARK4, doctor, parse_java_version
 from sparkdl.cli.report import ERROR, INFO, OK, WARN, Check, Report
 from sparkdl.cli.run import run_command, run_script
@@ -82,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="sparkdl", description="Distributed PyTorch inside Apache Spark.")
     parser.add_argument("--version", action="version", version=f"sparkdl {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,run,conf}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,run,conf,pack}")
 
     doc = sub.add_parser("doctor", help="check the driver, the executors and the task slots",
                          description="Checks Java, Spark, torch, pyarrow, Horovod, Petastorm and GPUs on the driver, "
@@ -119,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(func=run_command)
     add_conf_parser(sub)
+    add_pack_parser(sub)
     return parser
 
 

@@ -177,12 +177,15 @@ def _compare(report: Report, driver: dict[str, str | None], envs: list[dict[str,
         text = ", ".join(f"{v} on {sum(str(e.get(name)) == v for e in envs)}/{n}" for v in seen)
         row = next((c for c in report.checks if c.name == name), None) or report.add(name, INFO)
         row.executors = text.replace("None", "missing")
-        missing = [e["executor"] for e in envs if e.get(name) is None]
+        missing = sorted({_host_of(e) for e in envs if e.get(name) is None})
         differs = [e["executor"] for e in envs if e.get(name) is not None and e.get(name) != driver.get(name)]
         exe = envs[0]["executable"] if envs else "?"
         if name in required and missing:
-            row.status, row.problem = ERROR, f"missing in the executors' Python ({exe}) on {', '.join(missing[:3])}"
-            row.fix = f"install it there, or point spark.pyspark.python at a Python that has it (the driver uses {sys.executable})"
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            row.status, row.problem = ERROR, f"missing in the executors' Python ({exe}) on {', '.join(missing[:3])}{more}"
+            row.fix = ("ship a venv that has it: `sparkdl pack -o env.tar.gz`, then spark.archives=env.tar.gz#env and "
+                       "spark.pyspark.python=./env/bin/python (spark-submit --archives); or install it on every "
+                       f"executor host, or point spark.pyspark.python at a Python there that has it (the driver uses {sys.executable})")
         elif name == "python" and any(version_tuple(str(e["python"]))[:2] != version_tuple(str(driver["python"]))[:2] for e in envs):
             row.status, row.problem = ERROR, "the executors run another Python minor version than the driver: pickled functions break"
             row.fix = "use the same Python on the driver and the executors (spark.pyspark.python, spark.pyspark.driver.python)"
@@ -191,6 +194,11 @@ def _compare(report: Report, driver: dict[str, str | None], envs: list[dict[str,
                 row.status = WARN
             row.problem = row.problem or f"the executors have another version than the driver ({driver.get(name)})"
             row.fix = row.fix or "install the same versions everywhere (constraints/*.txt pins them)"
+
+
+def _host_of(env: dict[str, Any]) -> str:
+    """An executor's host as a person finds it: its name, and its address where Spark was told one."""
+    return f"{env['host']} ({env['address']})" if env.get("address") else str(env["host"])
 
 
 def _check_executor_gpus(report: Report, conf: Any, envs: list[dict[str, Any]], driver_gpus: list[str]) -> None:
