@@ -7,6 +7,8 @@ default route, nothing else reachable) and a mount namespace of their own whose 
 are private tmpfs: hosts share neither. Paths under /tmp that hosts need (this repository, the
 venv, Spark, the shared dir, ``keep``) are bound back into each private /tmp. ``cluster.shared``
 (default: a fresh dir under /var/tmp) is seen by every host at the same path, like an NFS mount.
+``hide`` covers paths on every host with an empty directory (hosts with nothing installed: the
+driver's venv and this checkout hidden, Spark itself moved to /tmp/spark where it lay in them).
 
     with NetnsCluster(workers=2) as cluster:  # a test: see tests/cluster/test_netns_tool.py
         subprocess.run([sys.executable, "job.py"], env=cluster.driver_env())  # + driver_conf()
@@ -74,24 +76,32 @@ class NetnsCluster:
     """A master and ``workers`` workers (``cores`` and ``memory`` each), each a host of its own.
     ``python``: the executors' Python (default this one); ``shared``: storage all hosts see (kept
     on stop when given); ``keep``: more paths under /tmp the hosts must still see; ``worker_opts``:
-    extra SPARK_WORKER_OPTS (e.g. -Dspark.worker.resource.gpu.amount=2)."""
+    extra SPARK_WORKER_OPTS (e.g. -Dspark.worker.resource.gpu.amount=2); ``hide``: paths no host
+    may see (each covered by an empty read-only directory). A relative ``python`` is resolved in
+    each executor's working directory (``./env/bin/python`` of an archive shipped with the job)."""
 
     def __init__(
         self, workers: int = 2, *, cores: int = 1, memory: str = "1g", python: str | None = None,
         shared: str | Path | None = None, start_timeout_s: float = 90.0, daemon_memory: str = "256m",
         tmp_size: str = "2g", keep: list[str | Path] | None = None, worker_opts: list[str] | None = None,
+        hide: list[str | Path] | None = None,
     ) -> None:
         if not 1 <= workers <= 200:
             raise ValueError(f"workers must be 1..200, not {workers}")
         self.cores, self.memory, self.python = cores, memory, python or sys.executable
         self.start_timeout_s, self.daemon_memory, self.tmp_size = start_timeout_s, daemon_memory, tmp_size
         self.keep, self.worker_opts = [Path(p) for p in keep or []], list(worker_opts or [])
+        hidden = {Path(os.path.realpath(p)) for p in hide or []}
+        self.hide = sorted(p for p in hidden if not any(p != q and p.is_relative_to(q) for q in hidden))
         self.token = secrets.token_hex(3)
         self.bridge = f"sdlbr{self.token}"
         self.dir = Path("/var/tmp") / f"sparkdl-netns-{self.token}"  # conf and logs
         self.own_shared = shared is None
         self.shared = self.dir / "shared" if shared is None else Path(shared).resolve()
         self.home, self.prefix = spark_home(), ""
+        # Where the hosts run Spark from: its own path, or /tmp/spark (private) where that is hidden.
+        real_home = Path(os.path.realpath(self.home))
+        self.host_home = Path("/tmp/spark") if any(real_home.is_relative_to(p) for p in self.hide) else self.home
         self.master = self._host("master", 2, "m")
         self.hosts = [self._host(f"worker-{i}", 10 + i, f"w{i}") for i in range(workers)]
         self._netns: list[str] = []  # what start() made, for stop() to remove
@@ -186,8 +196,9 @@ class NetnsCluster:
     def kept_paths(self) -> list[Path]:
         """The paths under /tmp that every host still sees, bound back into its private /tmp."""
         tmp = Path(os.path.realpath("/tmp"))
-        wanted = {ROOT, Path(sys.prefix), Path(sys.base_prefix), Path(self.python).parent.parent,
-                  Path(self.python).resolve().parent.parent, self.home, self.shared, self.dir, *self.keep}
+        python = [Path(self.python).parent.parent, Path(self.python).resolve().parent.parent] \
+            if os.path.isabs(self.python) else []  # a relative one is in the executors' working dirs
+        wanted = {ROOT, Path(sys.prefix), Path(sys.base_prefix), *python, self.home, self.shared, self.dir, *self.keep}
         under = {Path(os.path.realpath(p)) for p in wanted if Path(os.path.realpath(p)).is_relative_to(tmp)}
         if tmp in under:
             raise ClusterError(f"cannot give the hosts a /tmp of their own: one of {sorted(wanted)} is /tmp")
@@ -202,6 +213,11 @@ class NetnsCluster:
         for path in self.kept_paths():
             rel = shlex.quote("./" + str(path.relative_to(tmp)))
             lines += [f"mkdir -p {shlex.quote(str(path))}", f"mount -c --rbind {rel} {shlex.quote(str(path))}"]
+        if self.host_home != self.home:  # Spark lies in a hidden path: bound to /tmp/spark first
+            lines += [f"mkdir -p {self.host_home}", f"mount --rbind {shlex.quote(str(self.home))} {self.host_home}"]
+        for path in self.hide:
+            quoted = shlex.quote(str(path))  # (one under /tmp is already gone with the private /tmp)
+            lines.append(f"if [ -d {quoted} ]; then mount -t tmpfs -o ro,mode=755,size=4k sdlhide-{self.token} {quoted}; fi")
         lines += [f"mkdir -p {WORK_DIR}", "cd /", 'exec "$@"']
         if host is self.master:
             args = ["org.apache.spark.deploy.master.Master", "--host", host.address,
@@ -212,7 +228,7 @@ class NetnsCluster:
                     "--cores", str(self.cores), "--memory", self.memory, "--work-dir", WORK_DIR,
                     self.master_url]
         argv = ["ip", "netns", "exec", host.name, "unshare", "-m", "--propagation", "private",
-                "sh", "-c", "\n".join(lines), "sh", str(self.home / "bin" / "spark-class"), *args]
+                "sh", "-c", "\n".join(lines), "sh", str(self.host_home / "bin" / "spark-class"), *args]
         with open(host.log, "wb") as out:
             # ip netns exec and unshare exec, no fork: proc.pid becomes the daemon's JVM.
             host.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -221,7 +237,7 @@ class NetnsCluster:
     def _daemon_env(self, host: Host) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("SPARK_LOCAL_HOSTNAME", "SPARK_PUBLIC_DNS")}
         env.update(
-            SPARK_HOME=str(self.home), SPARK_LOCAL_IP=host.address, SPARK_DAEMON_MEMORY=self.daemon_memory,
+            SPARK_HOME=str(self.host_home), SPARK_LOCAL_IP=host.address, SPARK_DAEMON_MEMORY=self.daemon_memory,
             # The master's REST submission server (port 6066) is not needed.
             SPARK_MASTER_OPTS=f"{os.environ.get('SPARK_MASTER_OPTS', '')} -Dspark.master.rest.enabled=false".strip(),
             SPARK_WORKER_OPTS=" ".join([os.environ.get("SPARK_WORKER_OPTS", ""), *self.worker_opts]).strip(),

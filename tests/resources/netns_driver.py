@@ -105,6 +105,18 @@ def where(ds: sparkdl.Dataset) -> list[dict[str, Any]]:
     return gathered
 
 
+def origins() -> list[dict[str, Any]]:
+    """Every rank's host and where its Python, torch and sparkdl come from."""
+    import torch
+    import torch.distributed as dist
+
+    info = {"rank": sparkdl.context().rank, "host": os.environ["SPARKDL_HOST"], "python": sys.executable,
+            "torch": torch.__file__, "sparkdl": sparkdl.__file__}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, info)
+    return gathered
+
+
 def config_error(call: Any) -> str | None:
     try:
         call()
@@ -165,6 +177,11 @@ def main() -> None:
         spark = session({**conf, "spark.sparkdl.runDir": f"{shared}/runs", "spark.sparkdl.cacheDir": f"{shared}/cache"})
         out["cached"] = sparkdl.write_dataset(spark.read.parquet(ds.url)).url
         out["estimator"] = estimator(spark, ds.url, shared)
+    elif scenario == "packed":  # executors with nothing installed, the job's packed venv shipped to them
+        out["origins"] = sparkdl.run(origins, num_workers=2, config=cfg)
+        out["reference"] = sparkdl.run(train, ds, {}, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/ref")
+        fault = {"how": "sigkill", "host": params["host2"], "step": 7}
+        out["sigkill"] = sparkdl.run(train, ds, fault, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/kill")
     else:  # "fault": the test partitions or kills host 2 while this trains
         started = time.monotonic()
         fault = {"sleep": params.get("sleep", 0.2), "epochs": params.get("epochs", EPOCHS)}
