@@ -97,13 +97,19 @@ class RunConfig:
             ``sparkdl.context().world_size``: resume from a checkpoint that does not depend on
             the number of ranks. ``RunResult.world_sizes`` lists each attempt's world size.
             Raise ``slot_wait_s`` where replacing an executor takes longer (YARN, Kubernetes),
-            so that the run does not shrink while a replacement is on its way.
+            so that the run does not shrink while a replacement is on its way. A shrunk gang
+            grows back: once the cluster has ``num_workers`` free task slots again (a restarted
+            worker, dynamic allocation), the driver stops the attempt right after its next
+            checkpoint is committed and runs the next one on ``num_workers`` ranks from there;
+            that attempt does not count against ``max_attempts``, and steps the stopped attempt
+            made after the checkpoint are made again.
 
             Example::
 
                 cfg = sparkdl.RunConfig(min_workers=2, slot_wait_s=60)
                 result = sparkdl.launch(train, num_workers=4, max_attempts=4, config=cfg)
                 result.world_sizes  # e.g. [4, 3]: an executor was lost during attempt 0
+                # [4, 3, 4]: and came back before the run ended
         horovod_controller: with ``backend="horovod"``, what coordinates Horovod's ranks:
             ``"gloo"`` (the default; Horovod's Gloo over TCP) or ``"mpi"`` (the ranks form one
             Open MPI job, ``hvd.mpi_enabled()`` is True, and MPI carries Horovod's CPU

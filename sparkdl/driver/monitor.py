@@ -124,10 +124,12 @@ class Monitor:
                 rec.failed for (a, _), rec in self.records.items() if a == latest
             )
 
-    def resize(self, world_size: int) -> None:
-        """The next Spark job runs a gang of ``world_size`` ranks; the stopped job's stop is over."""
+    def resize(self, world_size: int, *, grown: bool = False) -> None:
+        """The next Spark job runs a gang of ``world_size`` ranks; the stopped job's stop is over.
+        An attempt stopped to grow the gang back failed nothing: it adds one to ``max_attempts``."""
         with self.cond:
             self.num_workers = world_size
+            self.max_attempts += grown
             self.stopping = None
             self.cond.notify_all()
 
@@ -326,12 +328,12 @@ class Monitor:
             return policy.Verdict(policy.Decision.STOP, reason=f"rank {rank} on {host} does not share the checkpoint directory")
         for attempt in range(len(self._gangs)):
             if attempt not in self._start_seq:
-                self._start_seq[attempt] = self._latest_checkpoint()
+                self._start_seq[attempt] = self.latest_checkpoint()
         snap = dataclasses.replace(self._snapshot(job_started), slots=slots)
         # The checkpoint store is read only for the failed attempts that can be judged now.
         ready = {v.attempt for v in snap.attempts if policy.ready_to_judge(v, snap, self.cfg)}
         if ready:
-            latest = self._latest_checkpoint()
+            latest = self.latest_checkpoint()
             views = tuple(
                 dataclasses.replace(v, progressed=latest != self._start_seq.get(v.attempt)) if v.attempt in ready else v
                 for v in snap.attempts
@@ -362,7 +364,8 @@ class Monitor:
             attempts=views,
         )
 
-    def _latest_checkpoint(self) -> int | None:
+    def latest_checkpoint(self) -> int | None:
+        """The run's latest complete checkpoint, None when there is none (or it cannot be read now)."""
         if self.store is None:
             return None
         try:

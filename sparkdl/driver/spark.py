@@ -8,6 +8,9 @@ attempts ran out before ``max_attempts``. After a failure it also watches the cl
 slots: Spark would wait without end for the slots of a resubmitted barrier stage, so with
 ``RunConfig.min_workers`` a gang short of slots for ``slot_wait_s`` goes on in a new job with
 fewer ranks (and without it, the ``start_timeout_s`` report says which slots are missing).
+While a shrunk gang runs, the driver watches for the slots to come back: once they are, the
+attempt is stopped right after its next checkpoint is committed, and a new job runs the gang on
+``num_workers`` ranks again from that checkpoint (:class:`_GrowWatch`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ _SERVER_DOWN_S = 10.0
 _DRAIN_S = 10.0
 # How long the driver waits before it submits again a job that Spark refused for too few slots.
 _SLOTS_RETRY_S = 1.0
+# How often a shrunk gang's driver asks for free slots, then for a newer checkpoint, to grow it back.
+_GROW_POLL_S = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -88,7 +93,9 @@ class SparkLauncher(Launcher):
                 while True:
                     before = monitor.attempts_seen()
                     payload = dataclasses.replace(payload, first_attempt=before)
-                    outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg, watch)
+                    grow = _GrowWatch(api, monitor, job.run.world_size, cfg.processes_per_task) \
+                        if payload.run.world_size < job.run.world_size else None
+                    outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg, watch, grow)
                     job_index += 1
                     if outcome.relayed is not None and not said:
                         said = True
@@ -119,7 +126,7 @@ class SparkLauncher(Launcher):
                         raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
                     verdict = outcome.verdict
                     if verdict is not None and verdict.decision is policy.Decision.RERUN and verdict.world_size:
-                        payload = _shrunk(payload, verdict.world_size, job.run.world_size, monitor)
+                        payload = _resized(payload, verdict.world_size, job.run.world_size, monitor)
                         continue
                     decision = policy.after_job(
                         stopped=outcome.verdict is not None,
@@ -136,7 +143,8 @@ class SparkLauncher(Launcher):
                                 "closed; their last lines may be missing", left, _DRAIN_S)
 
     def _run_job(
-        self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig, watch: _SlotWatch
+        self, payload: TaskPayload, group: str, monitor: Monitor, cfg: RunConfig, watch: _SlotWatch,
+        grow: _GrowWatch | None,
     ) -> _Outcome:
         session, api = self.session, self.api
         outcome = _Outcome()
@@ -182,6 +190,7 @@ class SparkLauncher(Launcher):
                 # Spark is asked outside the lock, which the channel's handlers need.
                 waiting = monitor.awaiting_gang()
                 slots = watch.poll(group, n, waiting=waiting)
+                grown = grow.poll(group, running=monitor.attempts_seen() > gangs and not waiting) if grow else None
                 outcome.gone = server.poll(quiet or waiting)
                 with monitor.cond:
                     if outcome.gone is not None:
@@ -190,6 +199,9 @@ class SparkLauncher(Launcher):
                         verdict = _blind_check(started, cfg)
                     else:
                         verdict = monitor.check(started, slots)
+                    if verdict.decision is policy.Decision.WAIT and grown:
+                        verdict = policy.Verdict(policy.Decision.RERUN, f"the gang grows back to {grown} ranks",
+                                                 world_size=grown)
                     if verdict.decision is not policy.Decision.WAIT:
                         outcome.verdict = verdict
                         monitor.stopping = verdict.reason
@@ -212,7 +224,8 @@ class SparkLauncher(Launcher):
         elif outcome.verdict is not None:
             try:
                 # Where each running rank is, for the report, before their tasks are killed (bounded).
-                monitor.collect_stacks()
+                if not (outcome.verdict.world_size or 0) > payload.run.world_size:  # not a grow-back
+                    monitor.collect_stacks()
             finally:
                 _cancel(api, group, cfg.kill_grace_s)
             done.wait(cfg.kill_grace_s)
@@ -327,14 +340,50 @@ def _job_thread(api: SparkApi, target: Any, name: str) -> threading.Thread:
     return thread
 
 
-def _shrunk(payload: TaskPayload, world_size: int, num_workers: int, monitor: Monitor) -> TaskPayload:
-    """The payload of a Spark job that runs the next attempt on ``world_size`` ranks."""
+class _GrowWatch:
+    """While a gang runs on fewer than ``num_workers`` ranks: the ranks to grow it back to, once
+    the cluster has the task slots for all of them again (asked every :data:`_GROW_POLL_S`) and
+    the running attempt committed a checkpoint newer than the one it had when they came back,
+    so that the grown gang resumes where this one stopped. Never, for a run without checkpoints."""
+
+    def __init__(self, api: SparkApi, monitor: Monitor, num_workers: int, per_task: int) -> None:
+        self._api, self._monitor = api, monitor
+        self._num_workers, self._tasks = num_workers, num_workers // per_task
+        self._polled = 0.0
+        self._back: tuple[int | None] | None = None  # the latest checkpoint when the slots came back
+
+    def poll(self, group: str, *, running: bool) -> int | None:
+        now = time.monotonic()
+        if not running or self._monitor.store is None or now - self._polled < _GROW_POLL_S:
+            return None
+        self._polled = now
+        free = self._api.free_slots(group)  # ours included: the slots this gang holds count as free
+        if free is None or free < self._tasks:
+            self._back = None
+            return None
+        latest = self._monitor.latest_checkpoint()
+        if self._back is None:
+            self._back = (latest,)
+            log.warning("sparkdl: the cluster has %d free task slots again: the gang grows back to "
+                        "num_workers=%d ranks after its next checkpoint", free, self._num_workers)
+            return None
+        return self._num_workers if latest is not None and latest != self._back[0] else None
+
+
+def _resized(payload: TaskPayload, world_size: int, num_workers: int, monitor: Monitor) -> TaskPayload:
+    """The payload of a Spark job that runs the next attempt on ``world_size`` ranks: fewer than
+    ``num_workers`` after a failure (``RunConfig.min_workers``), or ``num_workers`` again."""
     cfg = payload.run.config
-    log.warning(
-        "sparkdl: attempt %d runs on %d ranks instead of num_workers=%d, RunConfig.min_workers=%s",
-        monitor.attempts_seen(), world_size, num_workers, cfg.min_workers,
-    )
-    monitor.resize(world_size)
+    grown = world_size > payload.run.world_size
+    if grown:
+        log.warning("sparkdl: attempt %d runs on num_workers=%d ranks again, from checkpoint %s",
+                    monitor.attempts_seen(), world_size, monitor.latest_checkpoint())
+    else:
+        log.warning(
+            "sparkdl: attempt %d runs on %d ranks instead of num_workers=%d, RunConfig.min_workers=%s",
+            monitor.attempts_seen(), world_size, num_workers, cfg.min_workers,
+        )
+    monitor.resize(world_size, grown=grown)
     return dataclasses.replace(payload, run=dataclasses.replace(payload.run, world_size=world_size))
 
 

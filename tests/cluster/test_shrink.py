@@ -1,4 +1,5 @@
-"""``RunConfig(min_workers=M)``: a gang whose executor is gone for good goes on with fewer ranks.
+"""``RunConfig(min_workers=M)``: a gang whose executor is gone for good goes on with fewer ranks,
+and grows back at its next checkpoint once an executor returns.
 
 The tests run on a fresh ``local-cluster[2,1,1024]`` each: the test itself asks Spark to
 kill the executor of rank 1 with ``SparkContext.killExecutor``, which also lowers the number of
@@ -226,3 +227,99 @@ def test_a_shrunk_run_feeds_the_rest_of_the_epoch_once_on_the_ranks_left(
     # Epoch 1 is one rank's from the start.
     assert sorted(fed[1]["ids-w1-r0"]) == list(range(96)) and set(fed[1]) == {"ids-w1-r0"}
     assert result.value["steps"] == 3 + 6 + 12
+
+
+def train_shrink_grow(ds: sparkdl.Dataset, marker: str, log: str) -> dict[str, Any]:
+    """Attempt 0 (2 ranks) checkpoints step 3 and loses rank 1's executor; the shrunk attempt (1
+    rank) waits until the test has an executor back, then steps slowly until the driver stops it
+    after its next checkpoint; the grown attempt (2 ranks) finishes. Each batch is logged with the
+    step it ran at, so that the rows an attempt fed after the checkpoint the next one resumed from
+    (fed again there) can be told apart."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ctx = sparkdl.context()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = sparkdl.TrainState(model, opt, ds.loader(8, seed=1))
+    started_at: int | None = None
+    for batch in state.batches(epochs=2, save_every=3):
+        if started_at is None:
+            started_at = state.global_step
+            if ctx.world_size == 1:  # shrunk: the test brings an executor back, then the gang grows
+                Path(f"{log}/shrunk").touch()
+                deadline = time.monotonic() + 120
+                while not Path(f"{log}/returned").exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        if ctx.attempt == 0 and state.global_step == 3:
+            dist.barrier()
+            lose_rank_1s_executor(marker)
+        with open(f"{log}/ids-a{ctx.attempt}-r{ctx.rank}", "a") as f:
+            f.write(json.dumps([state.loader.epoch, state.global_step, batch["id"].tolist()]) + "\n")
+        if ctx.world_size == 1:
+            time.sleep(0.5)
+        loss = torch.nn.functional.mse_loss(model(batch["x"]).squeeze(1), batch["y"].float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"world_size": ctx.world_size, "attempt": ctx.attempt, "restored_from": state.restored_from,
+            "started_at": started_at, "steps": state.global_step}
+
+
+@pytest.mark.spark
+@pytest.mark.cluster
+@pytest.mark.fault
+def test_a_shrunk_gang_grows_back_at_its_next_checkpoint_when_an_executor_returns(
+    fresh_cluster, no_leaks, tmp_path, caplog  # type: ignore[no-untyped-def]
+) -> None:
+    import json
+
+    from sparkdl.spark_api import ClassicApi
+
+    sc = fresh_cluster.sparkContext
+    rows = [(i, [float(i % 7)] * 8, float(i % 5)) for i in range(96)]
+    ds = sparkdl.write_dataset(fresh_cluster.createDataFrame(rows, "id long, x array<float>, y double"),
+                               str(tmp_path / "data"), num_files=2)
+    marker, log = tmp_path / "executor-of-rank-1", tmp_path / "log"
+    log.mkdir()
+
+    def bring_one_back() -> None:  # once the gang runs shrunk: an executor again, as a restarted worker gives
+        deadline = time.monotonic() + 180
+        while not (log / "shrunk").exists():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        # Two executors wanted again (requestExecutors(1) after a kill does not bring one back).
+        assert sc._jsc.sc().requestTotalExecutors(2, 0, sc._jvm.PythonUtils.toScalaMap({}))
+        while ClassicApi(fresh_cluster).task_slots() != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (log / "returned").touch()
+
+    caplog.set_level(logging.WARNING, logger="sparkdl.driver.spark")
+    returner = threading.Thread(target=bring_one_back, daemon=True)
+    returner.start()
+    with ExecutorKiller(sc, marker):
+        result = sparkdl.launch(train_shrink_grow, ds, str(marker), str(log), num_workers=2, max_attempts=2,
+                                config=CFG.replace(min_workers=1), checkpoint_dir=str(tmp_path / "ckpt"))
+    returner.join(30)
+    assert (log / "returned").exists(), "the executor did not come back"
+    # Two ranks, one after the executor was lost, two again: the grow-back did not use up max_attempts=2.
+    assert result.world_sizes == [2, 1, 2] and result.attempts == 3
+    assert result.value["world_size"] == 2 and result.value["attempt"] == 2
+    assert "sparkdl: attempt 2 runs on num_workers=2 ranks again" in caplog.text
+    # The grown gang resumed from a checkpoint the shrunk one wrote after the executor came back.
+    assert result.value["restored_from"] >= 3 and result.value["started_at"] > 3
+    fed: dict[int, list[int]] = {}
+    ends = {0: 3, 1: result.value["started_at"]}  # the step each next attempt resumed from
+    for path in log.glob("ids-a*"):
+        attempt = int(path.name.split("-")[1][1:])
+        for line in path.read_text().splitlines():
+            epoch, step, ids = json.loads(line)
+            if attempt not in ends or step < ends[attempt]:  # what a later attempt did not feed again
+                fed.setdefault(epoch, []).extend(ids)
+    # Every row of both epochs fed once, over three gangs of 2, 1 and 2 ranks.
+    assert sorted(fed[0]) == list(range(96)) and sorted(fed[1]) == list(range(96)), {e: len(v) for e, v in fed.items()}
