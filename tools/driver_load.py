@@ -40,6 +40,7 @@ from sparkdl.wire.messages import (
     GoAhead,
     Hello,
     LogLine,
+    LogLines,
     Metric,
     RankState,
     Stacks,
@@ -90,11 +91,15 @@ class Load:
     metrics: int = 20  # log_metrics records from every rank
     fail: bool = False  # rank 0 fails; the others are stopped in a collective
     timeout_s: float = 600.0
+    # > 0: the lines go as a task's relay sends them (sparkdl.task.rankproc): those that come
+    # within this window in one frame (a burst: frames of up to 64 KiB); 0: one frame a line.
+    batch_s: float = 0.0
 
     @classmethod
-    def steady(cls, ranks: int, rate: float, seconds: float, timeout_s: float = 600.0) -> Load:
+    def steady(cls, ranks: int, rate: float, seconds: float, timeout_s: float = 600.0, batch_s: float = 0.0) -> Load:
         """Every rank printing ``rate`` lines a second and logging 10 metric records a second, for ``seconds``."""
-        return cls(ranks, lines=round(rate * seconds), metrics=round(10 * seconds), rate=rate, timeout_s=timeout_s)
+        return cls(ranks, lines=round(rate * seconds), metrics=round(10 * seconds), rate=rate, timeout_s=timeout_s,
+                   batch_s=batch_s)
 
 
 @dataclass
@@ -235,6 +240,13 @@ def _task(rank: int, spec: dict[str, Any], secret: bytes, go: threading.Event, e
         go.wait()
         if spec["rate"]:
             _steady(conn, rank, attempt, spec)
+        elif spec["batch_s"]:
+            per_frame = max(1, 64 * 1024 // (width + 1))
+            for i in range(0, spec["lines"], per_frame):
+                texts = tuple(line_text(rank, j, width) for j in range(i, min(i + per_frame, spec["lines"])))
+                conn.send(encode(LogLines("o", texts), rank=rank, attempt=attempt))
+            for step in range(spec["metrics"]):
+                conn.send(encode(Metric({"step": step, "loss": 1.0 / (step + 1)}), rank=rank, attempt=attempt))
         else:
             for i in range(spec["lines"]):
                 conn.send(encode(LogLine("o", line_text(rank, i, width)), rank=rank, attempt=attempt))
@@ -255,12 +267,18 @@ def _task(rank: int, spec: dict[str, Any], secret: bytes, go: threading.Event, e
 
 def _steady(conn: Any, rank: int, attempt: int, spec: dict[str, Any]) -> None:
     """``spec["lines"]`` lines at ``spec["rate"]`` a second, a metric after every tenth of a second's."""
-    rate, every = spec["rate"], spec["lines"] // spec["metrics"]
+    rate, every, window = spec["rate"], spec["lines"] // spec["metrics"], spec["batch_s"]
     start = time.monotonic()
+    pending: list[str] = []
     for i in range(spec["lines"]):
         if (wait := start + i / rate - time.monotonic()) > 0:
             time.sleep(wait)
-        conn.send(encode(LogLine("o", line_text(rank, i, spec["width"])), rank=rank, attempt=attempt))
+        pending.append(line_text(rank, i, spec["width"]))
+        # With a window: the lines that came within it of the first go together (rate x window of them).
+        if not window or i + 1 == spec["lines"] or len(pending) >= rate * window:
+            message = LogLine("o", pending[0]) if len(pending) == 1 else LogLines("o", tuple(pending))
+            conn.send(encode(message, rank=rank, attempt=attempt))
+            pending = []
         if i % every == every - 1:
             step = i // every
             conn.send(encode(Metric({"step": step, "loss": 1.0 / (step + 1)}), rank=rank, attempt=attempt))

@@ -56,6 +56,11 @@ class _MonitorSink:
         self._monitor.log(0, self._rank, LogLine(stream, text))
         return True
 
+    def lines(self, stream: str, texts: list[str]) -> bool:
+        for text in texts:
+            self._monitor.log(0, self._rank, LogLine(stream, text))
+        return True
+
     def metric(self, record: dict[str, Any]) -> bool:
         self._monitor.metric(0, self._rank, Metric(record))
         return True

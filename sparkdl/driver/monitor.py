@@ -31,6 +31,7 @@ from sparkdl.wire.messages import (
     GoAhead,
     Hello,
     LogLine,
+    LogLines,
     Metric,
     RankState,
     Stacks,
@@ -237,6 +238,9 @@ class Monitor:
             self.stack_source(env.attempt, env.rank, functools.partial(_ask_over, conn))
         if isinstance(msg, LogLine):
             self.log(env.attempt, env.rank, msg)
+        elif isinstance(msg, LogLines):
+            for text in msg.texts:
+                self.log(env.attempt, env.rank, LogLine(msg.stream, text))
         elif isinstance(msg, Metric):
             self.metric(env.attempt, env.rank, msg)
         elif isinstance(msg, Hello):

@@ -31,7 +31,7 @@ from sparkdl.driver.progress import MetricsLog, Progress
 from sparkdl.errors import SparkDLError
 from sparkdl.rankspec import RunSpec
 from sparkdl.wire.channel import ChannelError, FramedConnection, Message
-from sparkdl.wire.messages import LogLine, RankState, Stop, decode
+from sparkdl.wire.messages import LogLine, LogLines, RankState, Stop, decode
 from sparkdl.wire.server import ChannelServer
 
 _DOMAIN = b"sparkdl-relay-record\n"
@@ -97,11 +97,14 @@ class Hub:
         self.monitor.on_message(conn, frame)
 
     def _keep(self, frame: Message) -> bool:
-        if frame.get("t") != LogLine.kind:
+        kind = frame.get("t")
+        if kind not in (LogLine.kind, LogLines.kind):
             return True
-        size = len(str(frame.get("l", "")))
+        texts = frame.get("ls") if kind == LogLines.kind else [frame.get("l", "")]
+        size = sum(len(str(t)) for t in texts) if isinstance(texts, list) else 0
         if self._log_bytes + size > MAX_LOG_BYTES:
-            self._dropped += 0 if frame.get("more") else 1
+            self._dropped += len(texts) if kind == LogLines.kind and isinstance(texts, list) else \
+                0 if frame.get("more") else 1
             return False
         self._log_bytes += size
         return True

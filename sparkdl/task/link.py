@@ -8,7 +8,7 @@ from typing import Any
 
 from sparkdl.task.payload import TaskPayload
 from sparkdl.wire.channel import ChannelError, FramedConnection, connect
-from sparkdl.wire.messages import LogLine, Metric, TaskMessage, encode
+from sparkdl.wire.messages import LogLine, LogLines, Metric, TaskMessage, encode
 
 _LOG_PIECE_CHARS = 1024 * 1024
 # Messages a rank keeps while it has no connection yet (its output before the gang formed).
@@ -63,6 +63,29 @@ class DriverLink:
     def line(self, stream: str, text: str) -> bool:
         pieces = [text[i : i + _LOG_PIECE_CHARS] for i in range(0, len(text), _LOG_PIECE_CHARS)] or [""]
         return all(self.send(LogLine(stream, piece, i < len(pieces) - 1)) for i, piece in enumerate(pieces))
+
+    def lines(self, stream: str, texts: list[str]) -> bool:
+        """Lines that came together, in as few frames as fit :data:`_LOG_PIECE_CHARS` each (a longer
+        line alone, in pieces)."""
+        batch: list[str] = []
+        size = 0
+        for text in texts:
+            if batch and size + len(text) > _LOG_PIECE_CHARS:
+                if not self._batch(stream, batch):
+                    return False
+                batch, size = [], 0
+            if len(text) > _LOG_PIECE_CHARS:
+                if not self.line(stream, text):
+                    return False
+                continue
+            batch.append(text)
+            size += len(text)
+        return self._batch(stream, batch)
+
+    def _batch(self, stream: str, texts: list[str]) -> bool:
+        if len(texts) <= 1:
+            return all(self.send(LogLine(stream, text)) for text in texts)
+        return self.send(LogLines(stream, tuple(texts)))
 
     def metric(self, record: dict[str, Any]) -> bool:
         return self.send(Metric(record))

@@ -18,6 +18,7 @@ import json
 import linecache
 import os
 import re
+import select
 import socket
 import threading
 import time
@@ -94,12 +95,24 @@ class Sink(Protocol):
     def line(self, stream: str, text: str) -> bool:
         """One whole line of the rank's stdout (``"o"``) or stderr (``"e"``)."""
 
+    def lines(self, stream: str, texts: list[str]) -> bool:
+        """Whole lines of one stream that came together, in order."""
+
     def metric(self, record: dict[str, Any]) -> bool:
         """One record the rank sent with ``context().log_metrics``."""
 
 
+# A relay sends the lines it read within this long of the first as one batch (a rank printing
+# steadily costs the driver one frame per window, not one per line), or sooner once this many
+# bytes wait; a quiet stream's line goes after at most the window.
+BATCH_S = 0.05
+BATCH_BYTES = 256 * 1024
+_READ_BYTES = 64 * 1024
+
+
 class _Relay:
-    """Copies one output stream of the rank process to the sink, line by line, never cutting one."""
+    """Copies one output stream of the rank process to the sink, in whole lines, never cutting one,
+    batching the lines that come within :data:`BATCH_S` of each other."""
 
     def __init__(self, stream: IO[bytes], kind: str, sink: Sink, ready: threading.Event,
                  tail: deque[str], fallback: IO[str] | None) -> None:
@@ -113,25 +126,50 @@ class _Relay:
         self.thread.start()
 
     def _run(self) -> None:
-        for raw in iter(self._stream.readline, b""):
-            self._ready.wait()
-            line = raw.decode("utf-8", errors="replace")
-            if line.endswith("\n"):
-                line = line[:-1]
-            if self._kind == "m":
-                # One JSON object a line, written by context().log_metrics in the rank.
+        fd = self._stream.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        pending: list[bytes] = []  # whole lines read and not yet sent, without their newline
+        size, partial, due = 0, b"", None
+        try:
+            while True:
+                wait_ms = None if due is None else max(0, int((due - time.monotonic()) * 1000))
+                if poller.poll(wait_ms):
+                    chunk = os.read(fd, _READ_BYTES)
+                    if not chunk:
+                        break
+                    *whole, partial = (partial + chunk).split(b"\n")
+                    pending += whole
+                    size += sum(map(len, whole))
+                    if whole and due is None:
+                        due = time.monotonic() + BATCH_S
+                if pending and (size >= BATCH_BYTES or time.monotonic() >= (due or 0)):
+                    self._send(pending)
+                    pending, size, due = [], 0, None
+            self._send(pending + ([partial] if partial else []))
+        finally:
+            self._stream.close()
+
+    def _send(self, raw: list[bytes]) -> None:
+        if not raw:
+            return
+        self._ready.wait()
+        texts = [line.decode("utf-8", errors="replace") for line in raw]
+        if self._kind == "m":
+            # One JSON object a line, written by context().log_metrics in the rank.
+            for text in texts:
                 try:
-                    record = json.loads(line)
+                    record = json.loads(text)
                 except ValueError:
                     continue
                 if isinstance(record, dict):
                     self._sink.metric(record)
-                continue
-            self._tail.append(line)
-            if not self._sink.line(self._kind, line) and self._fallback is not None:
-                # The driver is unreachable: keep the line in the executor's log instead.
-                self._fallback.write(line + "\n")
-        self._stream.close()
+            return
+        self._tail.extend(texts)
+        sent = self._sink.line(self._kind, texts[0]) if len(texts) == 1 else self._sink.lines(self._kind, texts)
+        if not sent and self._fallback is not None:
+            # The driver is unreachable: keep the lines in the executor's log instead.
+            self._fallback.write("".join(text + "\n" for text in texts))
 
 
 class RankProcess:

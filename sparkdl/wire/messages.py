@@ -113,6 +113,19 @@ class LogLine:
         return {"s": self.stream, "l": self.text, "more": self.more}
 
 
+@dataclass(frozen=True)
+class LogLines:
+    """Whole lines of the rank's output that came together (the task's relay sends what it read
+    within a short window as one frame: one HMAC, one JSON document, one wake-up of the driver)."""
+
+    kind: ClassVar[str] = "logs"
+    stream: str
+    texts: tuple[str, ...]
+
+    def fields(self) -> dict[str, Any]:
+        return {"s": self.stream, "ls": list(self.texts)}
+
+
 # The key of a Metric record that only reports a rank's step (TrainState sends one a second from
 # every rank but 0): the driver's progress line and straggler check take it; the metrics do not.
 PROGRESS_KEY = "sparkdl.progress"
@@ -142,7 +155,7 @@ class Stacks:
         return {"pid": self.pid, "text": self.text}
 
 
-TaskMessage = Hello | Gang | Started | Exited | LogLine | Metric | Stacks
+TaskMessage = Hello | Gang | Started | Exited | LogLine | LogLines | Metric | Stacks
 
 
 @dataclass(frozen=True)
@@ -229,6 +242,11 @@ def decode(frame: dict[str, Any]) -> Envelope:
         message = Stacks(_opt_int(frame, "pid"), _opt_str(frame, "text"))
     elif kind == "log":
         message = LogLine(str(frame.get("s", "o")), str(frame.get("l", "")), bool(frame.get("more")))
+    elif kind == "logs":
+        texts = frame.get("ls")
+        if not isinstance(texts, list):
+            raise ChannelError("malformed 'logs' message: no list of lines")
+        message = LogLines(str(frame.get("s", "o")), tuple(str(t) for t in texts))
     elif kind == "metric":
         record = frame.get("m")
         if not isinstance(record, dict):

@@ -13,8 +13,11 @@ import pytest
 RANKS = 256
 
 
-def test_256_ranks_check_in_and_every_line_and_metric_of_a_burst_arrives_whole_and_once(tmp_path: Path) -> None:
-    measured = driver_load.drive(driver_load.Load(RANKS, lines=200, metrics=10, timeout_s=240), tmp_path)
+@pytest.mark.parametrize("batch_s", [0.0, 0.05], ids=["a-frame-a-line", "batched-as-tasks-send"])
+def test_256_ranks_check_in_and_every_line_and_metric_of_a_burst_arrives_whole_and_once(
+    tmp_path: Path, batch_s: float
+) -> None:
+    measured = driver_load.drive(driver_load.Load(RANKS, lines=200, metrics=10, timeout_s=240, batch_s=batch_s), tmp_path)
     assert measured.problems == []
     assert measured.lines == RANKS * 200 and measured.metrics == RANKS * 10
     # The console (RunConfig.console="auto": deduplicated at 256 ranks): rank 0's 200 lines, the

@@ -28,10 +28,14 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 class _Lines:
     def __init__(self) -> None:
-        self.lines: list[str] = []
+        self.got: list[str] = []
 
     def line(self, stream: str, text: str) -> bool:
-        self.lines.append(text)
+        self.got.append(text)
+        return True
+
+    def lines(self, stream: str, texts: list[str]) -> bool:
+        self.got += texts
         return True
 
     def metric(self, record: dict[str, Any]) -> bool:
@@ -60,7 +64,7 @@ def test_a_rank_blocked_in_native_code_holding_the_gil_ends_with_its_lifeline(tm
         store.close()
         deadline = time.monotonic() + 60
         while not marker.exists():
-            assert proc._proc.poll() is None and time.monotonic() < deadline, sink.lines
+            assert proc._proc.poll() is None and time.monotonic() < deadline, sink.got
             time.sleep(0.05)
         rank = psutil.Process(proc.pid)
         below = rank.children(recursive=True)  # its watchdog

@@ -25,6 +25,7 @@ from sparkdl.wire.messages import (
     GoAhead,
     Hello,
     LogLine,
+    LogLines,
     Metric,
     RankState,
     Started,
@@ -45,6 +46,7 @@ from sparkdl.wire.server import ChannelServer
         Exited(None, 9, "killed", None),
         Exited(1, None, "ValueError: bad", "Traceback ...\nValueError: bad"),
         LogLine("e", "a line with unicode é and \"quotes\"", more=True),
+        LogLines("o", ("one", "", "three é")),
         Metric({"loss": 0.25, "epoch": 3, "note": "ok"}),
     ],
 )
@@ -63,6 +65,7 @@ def test_every_message_survives_json_on_the_wire(message: TaskMessage) -> None:
         ({"t": "gang", "r": 0, "a": -1, "tids": "1,2"}, "no list of task ids"),
         ({"t": "gang", "r": 0, "a": -1, "tids": [1, "2"]}, "'tids' is not an integer"),
         ({"t": "metric", "r": 0, "a": 0, "m": [1, 2]}, "no record"),
+        ({"t": "logs", "r": 0, "a": 0, "s": "o", "ls": "one line"}, "no list of lines"),
         ({"t": "exit", "r": 0, "a": 0, "code": "1"}, "'code' is not an integer"),
     ],
 )
