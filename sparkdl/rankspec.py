@@ -37,6 +37,11 @@ class RunSpec:
     checkpoint_url: str
     config: RunConfig
 
+    @property
+    def tasks(self) -> int:
+        """The gang's Spark tasks: ``world_size`` ranks, ``config.processes_per_task`` in each."""
+        return self.world_size // self.config.processes_per_task
+
 
 @dataclass(frozen=True)
 class RankSpec:

@@ -29,6 +29,7 @@ from sparkdl.compat.gpus import (
     TASK_GPU_CONF,
     active_session,
     driver_gpus,
+    tasks_of,
     whole_gpus,
 )
 from sparkdl.compat.gpus import (
@@ -228,16 +229,10 @@ def _gpu_processes(num_processes: int, local_mode: bool) -> tuple[int, int]:
             "there is none; create one first (SparkSession.builder...getOrCreate()), or pass use_gpu=False"
         )
     if not local_mode:
-        per_task = whole_gpus(session, TASK_GPU_CONF, "of its Spark task")
-        if num_processes % per_task:
-            low = num_processes - num_processes % per_task
-            raise GpuConfigError(
-                f"TorchDistributor(num_processes={num_processes}) with {TASK_GPU_CONF}={per_task}: "
-                f"num_processes must be a multiple of {TASK_GPU_CONF}, as in Spark's class; use "
-                f"num_processes={low or per_task}" + (f" or {low + per_task}" if low else "")
-            )
+        per_task = whole_gpus(session, TASK_GPU_CONF, "TorchDistributor(use_gpu=True) gives each process a GPU of its Spark task")
+        tasks_of("TorchDistributor", "num_processes", num_processes, per_task)
         return num_processes, per_task
-    available = whole_gpus(session, DRIVER_GPU_CONF, "of the driver")
+    available = whole_gpus(session, DRIVER_GPU_CONF, "TorchDistributor(use_gpu=True) gives each process a GPU of the driver")
     if not is_remote(session) and "gpu" not in session.sparkContext.resources:
         raise GpuConfigError(
             f"TorchDistributor(local_mode=True, use_gpu=True): {DRIVER_GPU_CONF}={available}, but Spark "

@@ -45,17 +45,32 @@ _GPU_SETUP = {
 }
 
 
-def whole_gpus(session: Any, key: str, where: str) -> int:
-    """The whole number of GPUs conf ``key`` gives; GpuConfigError when unset, 0 or fractional."""
-    raw = conf_of(session, key)
+def whole_gpus(session: Any, key: str, who: str) -> int:
+    """The whole number of GPUs conf ``key`` of ``session`` gives; GpuConfigError when unset, 0,
+    fractional or there is no session. ``who``: what needs them, said first ("TorchDistributor(
+    use_gpu=True) gives each process a GPU of its Spark task")."""
+    raw = conf_of(session, key) if session is not None else None
     amount = float(raw) if raw else 0.0
     if amount >= 1 and amount.is_integer():
         return int(amount)
     state = "is unset" if not amount else f"is {raw}, not a whole number of GPUs"
     raise GpuConfigError(
-        f"TorchDistributor(use_gpu=True) gives each process a GPU {where}, but '{key}' {state}; "
-        f"{_GPU_SETUP[key]}, or pass use_gpu=False"
+        f"{who}, but '{key}' {state}" + ("" if session is not None else " (there is no active SparkSession)")
+        + f"; {_GPU_SETUP[key]}, or pass use_gpu=False"
     )
+
+
+def tasks_of(owner: str, name: str, total: int, per_task: int) -> int:
+    """The Spark tasks of ``total`` processes when each task has ``per_task`` GPUs and as many
+    processes; GpuConfigError naming the two nearest counts when ``total`` is no multiple of it."""
+    if total % per_task:
+        low = total - total % per_task
+        raise GpuConfigError(
+            f"{owner}({name}={total}) with {TASK_GPU_CONF}={per_task}: {name} must be a multiple of "
+            f"{TASK_GPU_CONF} (each task's GPUs go to as many processes); use {name}={low or per_task}"
+            + (f" or {low + per_task}" if low else "")
+        )
+    return total // per_task
 
 
 def driver_gpus(num_processes: int) -> list[str]:

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 from sparkdl._validate import is_int
-from sparkdl.compat.gpus import TASK_GPU_CONF, GpuConfigError, active_session, conf_of, driver_gpus
+from sparkdl.compat.gpus import (
+    TASK_GPU_CONF,
+    active_session,
+    driver_gpus,
+    tasks_of,
+    whole_gpus,
+)
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError
 
@@ -42,9 +48,10 @@ class MirroredStrategyRunner:
 
     Raises:
         ConfigError: (a ``ValueError``) ``num_slots`` is not an integer >= 1 ("cannot be less than
-            or equal to 0", in the original's words too), or does not fill whole tasks.
-        GpuConfigError: (also a ``RuntimeError``) ``use_gpu=True`` and ``spark.task.resource.gpu.amount``
-            is unset.
+            or equal to 0", in the original's words too).
+        GpuConfigError: (also a ``RuntimeError`` and a ``ConfigError``) ``use_gpu=True`` and
+            ``spark.task.resource.gpu.amount`` is unset or not whole, or ``num_slots`` is no
+            multiple of it.
     """
 
     def __init__(
@@ -117,20 +124,6 @@ def _run_worker(train_fn: Callable[..., Any], use_custom_strategy: bool, kwargs:
 
 def _num_tasks(num_slots: int) -> int:
     """GPUs in all -> Spark tasks, from the active session's ``spark.task.resource.gpu.amount``."""
-    session = active_session()
-    raw = conf_of(session, TASK_GPU_CONF) if session is not None else None
-    per_task = float(raw) if raw else 0.0
-    if per_task < 1 or not per_task.is_integer():
-        state = "is unset" if not per_task else f"is {raw}, not a whole number of GPUs"
-        raise GpuConfigError(
-            f"MirroredStrategyRunner(use_gpu=True) gives each worker the GPUs of its Spark task, but "
-            f"'{TASK_GPU_CONF}' {state}" + ("" if session is not None else " (there is no active SparkSession)")
-            + f"; set {TASK_GPU_CONF} (`sparkdl conf gpu` prints a working set), or pass use_gpu=False"
-        )
-    gpus = int(per_task)
-    if num_slots % gpus:
-        raise ConfigError(
-            f"MirroredStrategyRunner(num_slots={num_slots}) with {TASK_GPU_CONF}={gpus}: every worker has all "
-            f"of its task's GPUs; give num_slots as a multiple of {gpus}, e.g. {num_slots - num_slots % gpus or gpus}"
-        )
-    return num_slots // gpus
+    gpus = whole_gpus(active_session(), TASK_GPU_CONF,
+                      "MirroredStrategyRunner(use_gpu=True) gives each worker the GPUs of its Spark task")
+    return tasks_of("MirroredStrategyRunner", "num_slots", num_slots, gpus)

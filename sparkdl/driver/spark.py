@@ -32,6 +32,7 @@ from sparkdl.driver.monitor import Monitor
 from sparkdl.errors import (
     SparkDLError,
 )
+from sparkdl.rankspec import RunSpec
 from sparkdl.reach import Marker
 from sparkdl.spark_api import SparkApi
 from sparkdl.task.main import TaskPayload, task_main
@@ -93,8 +94,7 @@ class SparkLauncher(Launcher):
                 while True:
                     before = monitor.attempts_seen()
                     payload = dataclasses.replace(payload, first_attempt=before)
-                    grow = _GrowWatch(api, monitor, job.run.world_size, cfg.processes_per_task) \
-                        if payload.run.world_size < job.run.world_size else None
+                    grow = _GrowWatch(api, monitor, job.run) if payload.run.world_size < job.run.world_size else None
                     outcome = self._run_job(payload, f"sparkdl-{job.run.run_id}-{job_index}", monitor, cfg, watch, grow)
                     job_index += 1
                     if outcome.relayed is not None and not said:
@@ -111,12 +111,12 @@ class SparkLauncher(Launcher):
                         # them first). Spark's own rechecks do not cover a stage submitted by
                         # adaptive execution, so the job is submitted again, within slot_wait_s.
                         if time.monotonic() + _SLOTS_RETRY_S > slots_until:
-                            raise too_few_slots(job.run.world_size, job.run.world_size // cfg.processes_per_task,
+                            raise too_few_slots(job.run.world_size, job.run.tasks,
                                                 cfg.slot_wait_s, api.master)
                         if job_index == 1:
                             log.warning("sparkdl: Spark refused the gang's barrier stage: the cluster has fewer "
                                         "than %d task slots yet (executors still registering?); submitting it "
-                                        "again until slot_wait_s=%g s", job.run.world_size // cfg.processes_per_task,
+                                        "again until slot_wait_s=%g s", job.run.tasks,
                                         cfg.slot_wait_s)
                         time.sleep(_SLOTS_RETRY_S)
                         continue
@@ -149,7 +149,7 @@ class SparkLauncher(Launcher):
         session, api = self.session, self.api
         outcome = _Outcome()
         done = threading.Event()
-        n = payload.run.world_size // cfg.processes_per_task  # the gang's Spark tasks
+        n = payload.run.tasks
 
         def job() -> None:
             try:
@@ -346,9 +346,9 @@ class _GrowWatch:
     the running attempt committed a checkpoint newer than the one it had when they came back,
     so that the grown gang resumes where this one stopped. Never, for a run without checkpoints."""
 
-    def __init__(self, api: SparkApi, monitor: Monitor, num_workers: int, per_task: int) -> None:
+    def __init__(self, api: SparkApi, monitor: Monitor, run: RunSpec) -> None:
         self._api, self._monitor = api, monitor
-        self._num_workers, self._tasks = num_workers, num_workers // per_task
+        self._num_workers, self._tasks = run.world_size, run.tasks
         self._polled = 0.0
         self._back: tuple[int | None] | None = None  # the latest checkpoint when the slots came back
 
