@@ -212,7 +212,7 @@ def _check_scoring(cuda: bool) -> list[Result]:
     import torch
 
     from sparkdl.ml import scoring
-    from sparkdl.ml.plan import REGRESSION
+    from sparkdl.ml.fit_plan import REGRESSION
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))

@@ -27,8 +27,8 @@ both is a usage error.
 Exit status: 0 success, 1 a failed check or run, 2 a usage error, 124 a run that timed out.
 
 The parser is here; ``doctor`` lives in :mod:`sparkdl.cli.preflight` (driver checks),
-:mod:`sparkdl.cli.cluster` and :mod:`sparkdl.cli.probe` (the executors), ``run`` in
-:mod:`sparkdl.cli.run`, ``pack`` in :mod:`sparkdl.cli.pack`.
+:mod:`sparkdl.cli.executors` and :mod:`sparkdl.cli.executor_probe` (the executors), ``run`` in
+:mod:`sparkdl.cli.runner`, ``pack`` in :mod:`sparkdl.cli.pack`.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from sparkdl.cli.checks import ERROR, INFO, OK, WARN, Check, Report
 from sparkdl.cli.options import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE, add_spark_options
 from sparkdl.cli.pack import add_parser as add_pack_parser
 from sparkdl.cli.preflight import MIN_JAVA, MIN_PYARROW_FOR_SPARK4, doctor, parse_java_version
-from sparkdl.cli.report import ERROR, INFO, OK, WARN, Check, Report
-from sparkdl.cli.run import run_command, run_script
+from sparkdl.cli.runner import run_command, run_script
 from sparkdl.cli.templates import add_parser as add_conf_parser
 
 __all__ = [

@@ -3,7 +3,7 @@
 The driver's checks (Java, the packages sparkdl needs, Horovod and its MPI controller, Petastorm,
 GPUs) run here without Spark; :func:`doctor` then starts a session (``--remote``: a Spark Connect
 client's, which needs the Connect client's packages and no Java) and adds the cluster's rows
-(:mod:`sparkdl.cli.cluster`), prints the table and exits 1 when any row is an error.
+(:mod:`sparkdl.cli.executors`), prints the table and exits 1 when any row is an error.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sparkdl.cli.cluster import check_cluster
+from sparkdl.cli.checks import ERROR, INFO, OK, WARN, Report, version_tuple
+from sparkdl.cli.executor_probe import MPI_HERE, MPI_OPTIONAL, MPI_ROW, mpi_problem
+from sparkdl.cli.executors import check_cluster
 from sparkdl.cli.options import (
     EXIT_FAILED,
     EXIT_OK,
@@ -26,8 +28,6 @@ from sparkdl.cli.options import (
     remote_url,
     spark_confs,
 )
-from sparkdl.cli.probe import MPI_HERE, MPI_OPTIONAL, MPI_ROW, mpi_problem
-from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
 from sparkdl.errors import ConfigError
 
 MIN_JAVA = 17

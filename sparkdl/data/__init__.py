@@ -16,7 +16,7 @@ rank):
 - :mod:`~sparkdl.data.spares`: shuffle windows' arrays, reused;
 - :mod:`~sparkdl.data.read`: windows of rows read with pyarrow, cut into batches of tensors;
 - :mod:`~sparkdl.data.selection`: the columns a loader reads, checked, and where a row is;
-- :mod:`~sparkdl.data.petastorm`: the same batches read by Petastorm (the classic stack);
+- :mod:`~sparkdl.data.petastorm_reader`: the same batches read by Petastorm (the classic stack);
 - :mod:`~sparkdl.data.prefetch`: batches prepared ahead in a background thread;
 - :mod:`~sparkdl.data.loader`: :class:`Loader`, one rank's batches, epoch after epoch;
 - :mod:`~sparkdl.data.dataset`: :class:`Dataset`, the picklable handle (imports the loader on use);

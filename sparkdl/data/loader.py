@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from sparkdl.data.files import ParquetFiles
-from sparkdl.data.petastorm import check_petastorm
+from sparkdl.data.petastorm_reader import check_petastorm
 from sparkdl.data.plan import EpochPlan
 from sparkdl.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
 from sparkdl.data.read import LENGTHS_SUFFIX, Batch, BatchMaker

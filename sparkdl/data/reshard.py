@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from sparkdl.data.files import ParquetFiles, RowGroupReader
-from sparkdl.data.petastorm import petastorm_batches
+from sparkdl.data.petastorm_reader import petastorm_batches
 from sparkdl.data.plan import EpochPlan, pieces, share_rows, stream_bounds
 from sparkdl.data.read import (
     Batch,

@@ -35,7 +35,7 @@ from sparkdl.errors import (
 from sparkdl.rankspec import RunSpec
 from sparkdl.reach import Marker
 from sparkdl.spark_api import SparkApi
-from sparkdl.task.main import TaskPayload, task_main
+from sparkdl.task.entry import TaskPayload, task_main
 from sparkdl.wire.server import ChannelServer
 
 if TYPE_CHECKING:

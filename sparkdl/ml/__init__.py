@@ -6,7 +6,7 @@ imports pyspark then, ``import sparkdl.ml`` does not): the modules below them, t
 function included, import where pyspark is not installed (``tools/gpu-check`` scores on a GPU
 machine without Spark). Its modules, each importing only those listed before it:
 
-- ``plan``: the task and loss names, and the frozen :class:`~sparkdl.ml.plan.FitPlan` ranks get;
+- ``plan``: the task and loss names, and the frozen :class:`~sparkdl.ml.fit_plan.FitPlan` ranks get;
 - ``params``: the Spark ML params and their converters;
 - ``persistence``: ``save``/``load`` through Spark ML's writer and reader;
 - ``columns``: column type checks, feature and label expressions, the data check of ``fit``;

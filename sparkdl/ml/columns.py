@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sparkdl.errors import ConfigError
-from sparkdl.ml.plan import BINARY_LOSSES, CLASSIFICATION, FitPlan
+from sparkdl.ml.fit_plan import BINARY_LOSSES, CLASSIFICATION, FitPlan
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame

@@ -27,10 +27,10 @@ from sparkdl import spark_api
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, SparkDLError
 from sparkdl.ml.columns import features_expr, inspect_columns, label_expr
+from sparkdl.ml.fit_plan import CLASSIFICATION, REGRESSION, REGRESSION_LOSSES, FitPlan
 from sparkdl.ml.model import TorchModel
 from sparkdl.ml.params import EstimatorParams, check_backend
 from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable, check_connect_client
-from sparkdl.ml.plan import CLASSIFICATION, REGRESSION, REGRESSION_LOSSES, FitPlan
 from sparkdl.ml.probe import probe
 from sparkdl.ml.training import train_on_rank
 

@@ -17,10 +17,10 @@ from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 from sparkdl import spark_api
 from sparkdl.errors import ConfigError
 from sparkdl.ml.columns import check_features_type, features_expr
+from sparkdl.ml.fit_plan import REGRESSION
 from sparkdl.ml.modules import dump_module, load_module
 from sparkdl.ml.params import ScoringParams
 from sparkdl.ml.persistence import ParamsReader, ParamsWriter, Persistable, check_connect_client
-from sparkdl.ml.plan import REGRESSION
 from sparkdl.ml.scoring import Scorer, model_id_of, scoring_column
 from sparkdl.ml.training import input_dtype
 

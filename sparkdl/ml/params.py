@@ -16,7 +16,7 @@ from pyspark.ml.param.shared import HasFeaturesCol, HasLabelCol, HasPredictionCo
 from sparkdl._validate import int_at_least, is_number, positive_number
 from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError
-from sparkdl.ml.plan import LOSSES, OPTIMIZERS, TASKS
+from sparkdl.ml.fit_plan import LOSSES, OPTIMIZERS, TASKS
 
 __all__ = ["EstimatorParams", "ScoringParams", "check_backend"]
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from sparkdl.errors import ConfigError
 from sparkdl.ml.columns import Facts, features_expr, label_expr
-from sparkdl.ml.plan import BINARY_LOSSES, CLASS_LOSSES, CLASSIFICATION, REGRESSION, FitPlan
+from sparkdl.ml.fit_plan import BINARY_LOSSES, CLASS_LOSSES, CLASSIFICATION, REGRESSION, FitPlan
 from sparkdl.ml.training import (
     aligned,
     input_dtype,

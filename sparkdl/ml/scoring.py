@@ -32,8 +32,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl.errors import ConfigError, SparkDLError
+from sparkdl.ml.fit_plan import CLASSIFICATION
 from sparkdl.ml.modules import load_module
-from sparkdl.ml.plan import CLASSIFICATION
 from sparkdl.ml.training import input_dtype
 
 if TYPE_CHECKING:

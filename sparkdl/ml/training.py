@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from sparkdl.errors import ConfigError
-from sparkdl.ml.plan import CLASSIFICATION, FitPlan
+from sparkdl.ml.fit_plan import CLASSIFICATION, FitPlan
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """One rank's process as both launchers run it: its pipes, its output relays, its end.
 
-A Spark task (:mod:`sparkdl.task.main`) and the driver-local launcher
+A Spark task (:mod:`sparkdl.task.entry`) and the driver-local launcher
 (:mod:`sparkdl.driver.local`) start a rank the same way: :class:`RankProcess` writes the
 cloudpickled function into the rank's workdir, starts the process (:func:`~sparkdl.task.spawn.start_rank`)
 with a lifeline, a control pipe and a metrics pipe, and copies its stdout, stderr and metrics,

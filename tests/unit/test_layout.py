@@ -1,5 +1,5 @@
 """The layout of the package, checked: imports run one way, no cycles, no borrowed private
-names, no module over 400 lines. Imports inside functions count as much as module-level ones."""
+names, no module over 400 lines, no two modules of one name. Imports inside functions count as much as module-level ones."""
 
 from __future__ import annotations
 
@@ -90,6 +90,15 @@ def _layer(module: str) -> tuple[int, str]:
 def test_no_module_is_over_400_lines() -> None:
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_every_module_name_is_unique_in_the_package() -> None:
+    # A name says which module it is, in a traceback, a log line or a search ("probe.py": which?).
+    seen: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
 
 
 def test_no_import_cycles() -> None:

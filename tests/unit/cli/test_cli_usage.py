@@ -19,7 +19,7 @@ import pytest
 from conftest import path_without
 from resources.cli_command import sparkdl
 
-import sparkdl.cli.run as cli_run
+import sparkdl.cli.runner as cli_run
 from sparkdl import cli
 from sparkdl.errors import ConfigError
 
@@ -224,7 +224,7 @@ class _FakeApi:
 
 @pytest.mark.parametrize(("mode", "status"), [("direct", cli.ERROR), ("auto", cli.WARN), (None, cli.OK)])
 def test_the_channel_row_says_which_hosts_do_not_reach_the_client(mode: str | None, status: str) -> None:
-    from sparkdl.cli.cluster import _check_channel
+    from sparkdl.cli.executors import _check_channel
 
     rows = [{"host": "a", "address": "10.0.0.1", "channel": None},
             {"host": "b", "address": "10.0.0.2", "channel": None if mode is None else "TimeoutError: timed out"}]
@@ -245,7 +245,7 @@ def test_the_channel_row_says_which_hosts_do_not_reach_the_client(mode: str | No
 def test_the_executor_probe_says_why_the_mpi_controller_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from sparkdl.cli import probe
+    from sparkdl.cli import executor_probe as probe
 
     assert probe._mpi(None) is None  # no Horovod: nothing to check
     if importlib.util.find_spec("horovod") is None:
@@ -258,7 +258,7 @@ def test_the_executor_probe_says_why_the_mpi_controller_cannot_run(tmp_path: Pat
 
 
 def test_the_mpi_row_names_the_executors_without_it_and_merges_the_drivers_reason() -> None:
-    from sparkdl.cli.probe import MPI_ROW, check_executor_mpi
+    from sparkdl.cli.executor_probe import MPI_ROW, check_executor_mpi
 
     no_mpi = {"no": "no mpirun or orted on the PATH. horovod_controller='mpi' needs Open MPI 4 (apt-get install openmpi-bin)"}
     ok = {"ok": "Horovod 0.28.1, Open MPI 4.1.4"}

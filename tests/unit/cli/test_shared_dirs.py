@@ -4,8 +4,8 @@ directory is a warning, as runs that never save work there (sparkdl.reach)."""
 
 from __future__ import annotations
 
-from sparkdl.cli.cluster import _check_shared
-from sparkdl.cli.report import ERROR, OK, WARN, Report
+from sparkdl.cli.checks import ERROR, OK, WARN, Report
+from sparkdl.cli.executors import _check_shared
 from sparkdl.driver.cluster import RUN_DIR_CONF
 from sparkdl.reach import Marker
 

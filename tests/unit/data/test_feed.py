@@ -19,7 +19,7 @@ import sparkdl
 from sparkdl import ConfigError, Dataset, DatasetError
 from sparkdl.data import MANIFEST_NAME
 from sparkdl.data.loader import Loader
-from sparkdl.data.petastorm import _from_petastorm, _rebatch
+from sparkdl.data.petastorm_reader import _from_petastorm, _rebatch
 from sparkdl.data.plan import pieces as _pieces
 
 # (rows, rows per row group) of each file: uneven on purpose, with one empty file.

@@ -171,7 +171,7 @@ def test_channel_server_stops_listening_when_closed() -> None:
 def test_the_task_payload_never_shows_the_run_secret() -> None:
     # The payload reaches tasks pickled, and may be printed in a task's traceback or a log line.
     from sparkdl.rankspec import RunSpec
-    from sparkdl.task.main import TaskPayload
+    from sparkdl.task.entry import TaskPayload
 
     secret = "ab" * 32
     run = RunSpec(run_id="r", world_size=2, backend="torch", use_gpu=False, checkpoint_url="/tmp/x", config=sparkdl.RunConfig())

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from sparkdl.cli.report import INFO, OK, Report
+from sparkdl.cli.checks import INFO, OK, Report
 
 if TYPE_CHECKING:
     from sparkdl.spark_api import SparkApi

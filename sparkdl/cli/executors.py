@@ -7,9 +7,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from sparkdl.cli.checks import ERROR, INFO, OK, WARN, Report, version_tuple
+from sparkdl.cli.executor_probe import check_executor_mpi, probe_executors
 from sparkdl.cli.listen import Listener
-from sparkdl.cli.probe import check_executor_mpi, probe_executors
-from sparkdl.cli.report import ERROR, INFO, OK, WARN, Report, version_tuple
 from sparkdl.data.cache import CACHE_DIR_CONF, cache_dir
 from sparkdl.driver.cluster import RUN_DIR_CONF, executor_error, runs_root
 from sparkdl.reach import Marker
