@@ -40,6 +40,8 @@ from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError
 from sparkdl.spark_api import is_remote
 
+__all__ = ["GpuConfigError", "HorovodRunner", "MirroredStrategyRunner", "TorchDistributor"]
+
 log = logging.getLogger(__name__)
 
 LOG_VERBOSITIES = ("log_callback_only", "all")

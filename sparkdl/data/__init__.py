@@ -27,9 +27,8 @@ Importing this package imports neither pyarrow, nor torch, nor pyspark; the load
 pyarrow) loads on the first ``Dataset.loader`` call.
 """
 
-from sparkdl.data.cache import CACHE_DIR_CONF
 from sparkdl.data.dataset import Dataset
-from sparkdl.data.manifest import MANIFEST_NAME, ColumnSpec, FileSpec, Manifest
 from sparkdl.data.write import write_dataset
 
-__all__ = ["CACHE_DIR_CONF", "MANIFEST_NAME", "ColumnSpec", "Dataset", "FileSpec", "Manifest", "write_dataset"]
+# The public names, also importable from sparkdl itself; the package's modules are internal.
+__all__ = ["Dataset", "write_dataset"]

@@ -25,7 +25,8 @@ import pytest
 
 import sparkdl
 from sparkdl import ConfigError, Dataset, DatasetError
-from sparkdl.data import CACHE_DIR_CONF, MANIFEST_NAME
+from sparkdl.data.cache import CACHE_DIR_CONF
+from sparkdl.data.manifest import MANIFEST_NAME
 
 # The rank function below travels by value, as a notebook's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -17,8 +17,8 @@ import torch
 
 import sparkdl
 from sparkdl import ConfigError, Dataset, DatasetError
-from sparkdl.data import MANIFEST_NAME
 from sparkdl.data.loader import Loader
+from sparkdl.data.manifest import MANIFEST_NAME
 from sparkdl.data.petastorm_reader import _from_petastorm, _rebatch
 from sparkdl.data.plan import pieces as _pieces
 
@@ -460,7 +460,7 @@ def test_petastorm_chunks_are_cut_to_exact_batches() -> None:
 
 
 def test_petastorm_columns_convert_like_arrow_ones() -> None:
-    from sparkdl.data import ColumnSpec
+    from sparkdl.data.manifest import ColumnSpec
 
     fixed = _from_petastorm(ColumnSpec("x", "array", "float32", 2), np.arange(6, dtype=np.float32).reshape(3, 2))
     assert fixed.to_pylist() == [[0, 1], [2, 3], [4, 5]]
