@@ -13,6 +13,8 @@
 #                          in SPARKDL_WHEEL_CACHE, default ~/.cache/sparkdl/wheels); default 0
 #   SPARKDL_WITH_TENSORFLOW 1: also install TensorFlow's CPU build and tf-keras (modern stack only: the
 #                          pins are in constraints/modern.txt; about 1.3 GB); default 0
+#   SPARKDL_WITH_CHROMIUM  1: also install Debian's chromium, as root (tools/check_site.py renders the
+#                          documentation site in it; tools/test sets it for its docs step); default 0
 #   SPARKDL_TORCH          torch requirement to install first (default: torch==2.13.0, the CPU build here)
 #   SPARKDL_TORCH_INDEX    a wheel index for torch, e.g. https://download.pytorch.org/whl/cu126 for a CUDA build
 #   SPARKDL_PYTHON         the Python interpreter that creates the venv (default: python3)
@@ -30,6 +32,7 @@ VENV="${SPARKDL_VENV:-$DEFAULT_VENV}"
 CONSTRAINTS="$ROOT/constraints/$STACK.txt"
 WITH_HOROVOD="${SPARKDL_WITH_HOROVOD:-0}"
 WITH_TENSORFLOW="${SPARKDL_WITH_TENSORFLOW:-0}"
+WITH_CHROMIUM="${SPARKDL_WITH_CHROMIUM:-0}"
 TORCH_REQ="${SPARKDL_TORCH:-torch==2.13.0}"
 TORCH_INDEX="${SPARKDL_TORCH_INDEX:-}"
 PYTHON="${SPARKDL_PYTHON:-python3}"
@@ -68,6 +71,20 @@ ensure_netns_tools() {
   log "iproute2 is missing (ip, ss: the namespaced-host tests); installing it"
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2
+}
+
+ensure_chromium() {
+  # The documentation site's render check (tools/check_site.py); only root can install it, and a
+  # non-root run says that the check does not run.
+  [ "$WITH_CHROMIUM" = "1" ] || return 0
+  command -v chromium >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" != "0" ]; then
+    log "chromium is missing and this is not root: the site's render check will not run"
+    return 0
+  fi
+  log "installing chromium (the documentation site's render check)"
+  apt-get update -q >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >&2
 }
 
 ensure_venv() {
@@ -121,6 +138,7 @@ ensure_horovod() {
 
 ensure_java
 ensure_netns_tools
+ensure_chromium
 ensure_venv
 ensure_tensorflow
 # Read by tools/build-horovod.sh, so that a venv gets its own stack's pins.
