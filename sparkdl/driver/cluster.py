@@ -128,7 +128,7 @@ def mlflow_enabled(conf: Any, cfg: RunConfig) -> bool:
     except ImportError as exc:
         raise ConfigError(
             "MLflow logging is on (RunConfig.mlflow or spark.sparkdl.mlflow.enabled) but mlflow is "
-            "not installed: pip install mlflow-skinny, or turn it off"
+            "not installed: pip install 'sparkdl[mlflow]' (mlflow-skinny), or turn it off"
         ) from exc
     return True
 
