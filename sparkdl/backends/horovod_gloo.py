@@ -41,9 +41,9 @@ _POLL_INTERVAL_S = 0.1
 
 _INSTALL_HINT = (
     "Horovod 0.28.1 ships as source only and must be built against the installed torch, with "
-    "PyTorch and Gloo: in a sparkdl checkout run `tools/build-horovod.sh /path/to/venv` (it "
-    "compiles once, caches the wheel and installs it), or set SPARKDL_WITH_HOROVOD=1 for "
-    "tools/bootstrap.sh. Every executor's Python needs it too. Or choose backend='torch'"
+    "PyTorch and Gloo: `bash \"$(sparkdl conf build-horovod --path)\" /path/to/venv` does it (it "
+    "compiles once, caches the wheel and installs it; tools/build-horovod.sh in a sparkdl checkout). "
+    "Every executor's Python needs it too. Or choose backend='torch'"
 )
 
 

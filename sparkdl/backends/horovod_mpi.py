@@ -18,7 +18,7 @@ from sparkdl.errors import BackendUnavailableError
 _MPI_HINT = (
     "horovod_controller='mpi' needs Open MPI 4 (mpirun, orted) on the PATH of the driver and of every "
     "executor (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev) and Horovod built with MPI "
-    "(tools/build-horovod.sh does both); or use RunConfig(horovod_controller='gloo')"
+    "(`bash \"$(sparkdl conf build-horovod --path)\" VENV` does both); or use RunConfig(horovod_controller='gloo')"
 )
 # Horovod checks for stalled ranks this often at most (its own default).
 _STALL_CHECK_S = 60

@@ -32,7 +32,7 @@ MPI_ROW = "mpi controller"
 MPI_OPTIONAL = "optional: needed only for RunConfig(horovod_controller='mpi')"
 MPI_HERE = "on this machine"
 _MPI_FIX = ("install Open MPI 4 (apt-get install openmpi-bin libopenmpi-dev) and Horovod built with MPI "
-            "(tools/build-horovod.sh) on the driver and every executor")
+            "(`bash \"$(sparkdl conf build-horovod --path)\" VENV`) on the driver and every executor")
 
 
 def _sees(url: str, path: str, token: str) -> str | None:

@@ -133,7 +133,7 @@ def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
     usable = False
     if hvd is None:
         report.add("horovod", INFO, "not installed", problem="optional: needed only for backend='horovod' and HorovodRunner",
-                   fix="SPARKDL_WITH_HOROVOD=1 bash tools/bootstrap.sh builds it against this torch")
+                   fix=f"build it against this torch: bash \"$(sparkdl conf build-horovod --path)\" {sys.prefix}")
     else:
         try:
             from sparkdl.backends.horovod_gloo import check_horovod
@@ -143,12 +143,12 @@ def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
             usable = True
         except Exception as exc:
             report.add("horovod", WARN, hvd, problem=f"installed but unusable: {exc}",
-                       fix="rebuild Horovod with PyTorch and Gloo (tools/build-horovod.sh)")
+                       fix=f"rebuild Horovod with PyTorch and Gloo: bash \"$(sparkdl conf build-horovod --path)\" {sys.prefix}")
     _check_mpi(report, usable)
     peta = versions["petastorm"]
     if peta is None:
         report.add("petastorm", INFO, "not installed", problem="optional: needed only for ds.loader(reader='petastorm')",
-                   fix="use the classic stack (constraints/classic.txt: pyspark 3.5, pyarrow 14)")
+                   fix="Petastorm needs pyarrow < 15 (so numpy < 2, pyspark 3.5): install 'sparkdl[petastorm]' in such an environment")
         return
     probe = subprocess.run([sys.executable, "-c", "import petastorm.reader"], capture_output=True, text=True, timeout=120)
     if probe.returncode == 0:
@@ -156,7 +156,7 @@ def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
     else:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         report.add("petastorm", WARN, peta, problem=f"installed but does not import ({last})",
-                   fix="petastorm needs pyarrow < 15: use the classic stack (constraints/classic.txt)")
+                   fix="Petastorm needs pyarrow < 15 (so numpy < 2, pyspark 3.5): use an environment with those")
 
 
 def _check_mpi(report: Report, horovod_usable: bool) -> None:

@@ -21,6 +21,7 @@ TEMPLATES = {
     "gpu-discovery": ("gpu-discovery.sh", "Spark's GPU discovery script (nvidia-smi)"),
     "log4j2": ("log4j2.properties", "a quiet Spark log: warnings and errors only"),
     "jobs": ("sparkdl-defaults.conf", "the defaults of the jobs' options (jobs/)"),
+    "build-horovod": ("build-horovod.sh", "builds Horovod against a venv's torch: bash it with the venv's path"),
 }
 
 

@@ -156,4 +156,4 @@ def test_doctor_says_why_the_mpi_controller_cannot_run_without_failing(tmp_path:
     assert "unavailable" in row
     assert ("[info] mpi controller: optional: needed only for RunConfig(horovod_controller='mpi'); "
             "on this machine: no mpirun or orted on the PATH") in out.stdout
-    assert "apt-get install openmpi-bin libopenmpi-dev" in out.stdout and "tools/build-horovod.sh" in out.stdout
+    assert "apt-get install openmpi-bin libopenmpi-dev" in out.stdout and "sparkdl conf build-horovod --path" in out.stdout
