@@ -18,10 +18,13 @@ class SparkConf:
 
 RUN_DIR = SparkConf(
     "spark.sparkdl.runDir",
-    "`<temp dir>/sparkdl-<uid>/runs`, private to the user (a directory on the driver's disk)",
+    "`<fs.defaultFS>/user/<user>/sparkdl/runs` when Hadoop's default file system is not local (HDFS on "
+    "YARN) and the driver can create it there; else `<temp dir>/sparkdl-<uid>/runs`, private to the user "
+    "(a directory on the driver's disk)",
     "Where runs get their directories, `<runDir>/<run id>` (checkpoints of runs without `checkpoint_dir`, "
     "metrics). On a cluster of several hosts it must be storage every executor reaches (HDFS, S3, a shared "
-    "mount): a run that checkpoints to a directory an executor does not see is refused before training.",
+    "mount): a run that checkpoints to a directory an executor does not see is refused before training; "
+    "with the driver's temp dir as the default, a run that never saves still runs, and its first save fails.",
 )
 CACHE_DIR = SparkConf(
     "spark.sparkdl.cacheDir",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdl.spark_api import is_remote, of
-from sparkdl.storage import filesystem, redact
+from sparkdl.storage import filesystem, make_dirs, redact
 
 PREFIX = ".sparkdl-reach-"
 
@@ -54,7 +54,7 @@ class Marker:
         """Creates ``url`` when missing and writes a fresh marker into it (on the driver)."""
         marker = cls(url, secrets.token_hex(24), strict)
         fs, path = marker._locate()
-        fs.create_dir(posixpath.dirname(path), recursive=True)
+        make_dirs(fs, posixpath.dirname(path))
         with fs.open_output_stream(path) as out:
             out.write(marker.token.encode())
         return marker

@@ -76,6 +76,15 @@ class SparkApi:
         """The session's confs (for ``.get(key, default)``)."""
         raise NotImplementedError
 
+    def default_fs(self) -> str | None:
+        """Hadoop's default file system (``fs.defaultFS``), as far as the session's confs say."""
+        value = self.confs().get("spark.hadoop.fs.defaultFS", None)
+        return str(value) if value else None
+
+    def spark_user(self) -> str | None:
+        """The user Spark runs this application as, when the session says."""
+        return None
+
     @property
     def master(self) -> str:
         return str(self.confs().get("spark.master", "") or "")
@@ -169,6 +178,14 @@ class ClassicApi(SparkApi):
 
     def confs(self) -> Mapping[str, str]:
         return self.sc.getConf()  # SparkConf has .get(key, default)
+
+    def default_fs(self) -> str | None:
+        # The Hadoop configuration: core-site.xml (HADOOP_CONF_DIR) and spark.hadoop.* together.
+        value = self.sc._jsc.hadoopConfiguration().get("fs.defaultFS")
+        return str(value) if value else None
+
+    def spark_user(self) -> str | None:
+        return str(self.sc.sparkUser())
 
     @property
     def master(self) -> str:

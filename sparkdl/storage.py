@@ -39,6 +39,21 @@ def normalize_url(path_or_url: str | os.PathLike[str]) -> str:
     return text.rstrip("/") if len(text) > len(parts.scheme) + 3 else text
 
 
+def make_dirs(fs: pafs.FileSystem, path: str) -> None:
+    """``path`` and its parents as directories; nothing to do where it is one already (some
+    filesystems refuse to create an existing directory: FTP through fsspec answers "550 File
+    exists"), and fine when another writer made it meanwhile."""
+    import pyarrow.fs as pafs
+
+    if fs.get_file_info(path).type == pafs.FileType.Directory:
+        return
+    try:
+        fs.create_dir(path, recursive=True)
+    except Exception:
+        if fs.get_file_info(path).type != pafs.FileType.Directory:
+            raise
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem and the path inside it for a URL from :func:`normalize_url`."""
     import pyarrow.fs as pafs

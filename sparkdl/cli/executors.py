@@ -226,7 +226,9 @@ def _plant_markers(spark: SparkSession, conf: Any) -> dict[str, tuple[Marker, st
     """A marker in the run and the cache directory (name: (marker, the setting that moves it));
     a directory the driver cannot write gets no marker (its row says so)."""
     planted = {}
-    for name, url, setting in (("run directory", normalize_url(runs_root(conf)), RUN_DIR_CONF),
+    api = of(spark)
+    root = runs_root(conf, default_fs=api.default_fs(), user=api.spark_user())
+    for name, url, setting in (("run directory", normalize_url(root), RUN_DIR_CONF),
                                ("cache directory", cache_dir(spark), CACHE_DIR_CONF)):
         try:
             # The default run directory is only an error for runs that save (see sparkdl.reach).

@@ -25,7 +25,7 @@ from sparkdl.data.scan import path_info
 from sparkdl.errors import ConfigError, DatasetError
 from sparkdl.private import user_dir
 from sparkdl.reach import Marker, probe_executors
-from sparkdl.storage import filesystem, normalize_url, redact
+from sparkdl.storage import filesystem, make_dirs, normalize_url, redact
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -108,7 +108,7 @@ def write_cached(
     cache_root = filesystem(cache_url, None)[1]
     manifest_path = posixpath.join(root, MANIFEST_NAME)
     try:
-        fs.create_dir(cache_root, recursive=True)
+        make_dirs(fs, cache_root)
     except Exception as exc:
         raise DatasetError(
             f"cannot create the cache directory {redact(cache_url)} ({type(exc).__name__}: {exc}); "

@@ -7,6 +7,8 @@ pyspark's default ``python3``.
 
 from __future__ import annotations
 
+import getpass
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -19,9 +21,11 @@ from sparkdl.config import RunConfig
 from sparkdl.errors import ConfigError, InsufficientSlotsError
 from sparkdl.private import user_dir
 from sparkdl.spark_api import ClassicApi, SparkApi
+from sparkdl.storage import filesystem, make_dirs, redact
 
 DEFAULT_STAGE_ATTEMPTS = 4
 RUN_DIR_CONF = confs.RUN_DIR.name
+log = logging.getLogger(__name__)
 
 
 def resolve_gpu(conf: Any, use_gpu: bool | None) -> bool:
@@ -90,19 +94,36 @@ def check_cluster(api: SparkApi, num_workers: int, cfg: RunConfig, *, tasks: int
     )
 
 
-def run_dir(conf: Any, run_id: str) -> str:
-    """The run's directory: ``<spark.sparkdl.runDir>/<run id>``.
+def run_dir(conf: Any, run_id: str, *, default_fs: str | None = None, user: str | None = None) -> str:
+    """The run's directory: ``<runs root>/<run id>``, the root as :func:`runs_root` finds it."""
+    return f"{runs_root(conf, default_fs=default_fs, user=user).rstrip('/')}/{run_id}"
 
-    Without ``spark.sparkdl.runDir``, ``<temp dir>/sparkdl-<uid>/runs/<run id>``: this user's
-    private directory, created 0700 and checked here (a ConfigError when it is a symlink,
-    another user's, or writable by others). A runDir the user set is used as given.
+
+def runs_root(conf: Any, *, default_fs: str | None = None, user: str | None = None) -> str:
+    """Where runs get their directories.
+
+    ``spark.sparkdl.runDir`` when set, used as given. Else, on a cluster whose Hadoop default file
+    system is storage every executor reaches (``fs.defaultFS`` such as ``hdfs://namenode:8020``
+    on YARN), ``<fs.defaultFS>/user/<user>/sparkdl/runs``, when this driver can create it there
+    (a warning says why not, and the next default is used). Else this user's private
+    ``<temp dir>/sparkdl-<uid>/runs`` on the driver's disk, created 0700 and checked (a
+    ConfigError when it is a symlink, another user's, or writable by others).
     """
-    return f"{runs_root(conf).rstrip('/')}/{run_id}"
-
-
-def runs_root(conf: Any) -> str:
-    """Where runs get their directories: ``spark.sparkdl.runDir``, else this user's private default."""
-    return str(conf.get(RUN_DIR_CONF, None) or user_dir("runs", setting=RUN_DIR_CONF))
+    chosen = conf.get(RUN_DIR_CONF, None)
+    if chosen:
+        return str(chosen)
+    if default_fs and urlsplit(default_fs).scheme not in ("", "file"):
+        root = f"{default_fs.rstrip('/')}/user/{user or getpass.getuser()}/sparkdl/runs"
+        try:
+            fs, path = filesystem(root)
+            make_dirs(fs, path)
+            return root
+        except Exception as exc:
+            log.warning("sparkdl: the cluster's default file system (fs.defaultFS) is %s, but this driver "
+                        "cannot create %s there (%s: %s): runs go to the driver's temp dir instead; set %s to "
+                        "storage every executor reaches", redact(default_fs), redact(root), type(exc).__name__,
+                        exc, RUN_DIR_CONF)
+    return str(user_dir("runs", setting=RUN_DIR_CONF))
 
 
 def local_metrics_path(run_dir: str, run_id: str) -> Path:

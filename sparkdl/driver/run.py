@@ -177,7 +177,7 @@ def launch(
     attempts_allowed = cfg.max_attempts if cfg.max_attempts is not None else cluster.stage_attempts(conf)
 
     run_id = secrets.token_hex(6)
-    run_dir = cluster.run_dir(conf, run_id)
+    run_dir = cluster.run_dir(conf, run_id, default_fs=api.default_fs(), user=api.spark_user())
     store = CheckpointStore(checkpoint_dir or f"{run_dir}/checkpoints", keep=cfg.keep_checkpoints)
     metrics_path = cluster.local_metrics_path(run_dir, run_id)
     metrics = MetricsLog(metrics_path)

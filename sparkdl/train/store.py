@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl._validate import int_at_least
 from sparkdl.errors import ConfigError, SparkDLError
-from sparkdl.storage import filesystem, normalize_url
+from sparkdl.storage import filesystem, make_dirs, normalize_url
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -110,7 +110,7 @@ class CheckpointStore:
                     "TrainState(...), or to CheckpointStore.save and .load)"
                 )
         fs, root = self._fs()
-        fs.create_dir(root, recursive=True)
+        make_dirs(fs, root)
         final = posixpath.join(root, f"ckpt-{seq:08d}.pt")
         tmp = posixpath.join(root, f".tmp-ckpt-{seq:08d}-{uuid.uuid4().hex}")
         with fs.open_output_stream(tmp) as out:

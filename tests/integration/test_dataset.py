@@ -4,15 +4,12 @@ through file:// and over a real FTP server on loopback; then one end-to-end trai
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
 import shutil
 import socket
 import sys
-import threading
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from resources.ftp import ftp_server as serve_ftp
 
 import sparkdl
 from sparkdl import ConfigError, Dataset, DatasetError
@@ -306,34 +304,11 @@ def test_opens_pyarrow_parquet_and_file_urls(spark: Any, tmp_path: Path) -> None
 
 @pytest.fixture
 def ftp_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A real FTP server (pyftpdlib) on 127.0.0.1, serving a temp dir; stopped at the end."""
-    from fsspec.implementations.ftp import FTPFileSystem
-
-    with warnings.catch_warnings():  # pyftpdlib imports asyncore/asynchat, deprecated in 3.11
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from pyftpdlib.authorizers import DummyAuthorizer
-        from pyftpdlib.handlers import FTPHandler
-        from pyftpdlib.servers import FTPServer
-
-    logging.getLogger("pyftpdlib").setLevel(logging.WARNING)
+    """A real FTP server (pyftpdlib) on 127.0.0.1, serving a temp dir read-only; stopped at the end."""
     root = tmp_path / "ftp-root"
     root.mkdir()
-    authorizer = DummyAuthorizer()
-    authorizer.add_user("trainer", "s3cret", str(root), perm="elr")
-    handler = type("Handler", (FTPHandler,), {"authorizer": authorizer, "timeout": 30})
-    server = FTPServer(("127.0.0.1", 0), handler)
-    port = server.socket.getsockname()[1]
-    thread = threading.Thread(
-        target=server.serve_forever, kwargs={"timeout": 0.2, "handle_exit": False}, name="ftp", daemon=True
-    )
-    thread.start()
-    try:
-        yield f"ftp://trainer:s3cret@127.0.0.1:{port}", root
-    finally:
-        FTPFileSystem.clear_instance_cache()  # fsspec keeps client connections per host
-        server.close_all()
-        thread.join(10)
-        assert not thread.is_alive()
+    with serve_ftp(root, perm="elr") as base:
+        yield base, root
 
 
 def test_remote_dataset_over_ftp(written: Dataset, ftp_server: tuple[str, Path]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import cloudpickle
 import pytest
 from resources import private_dirs
+from resources.ftp import ftp_server
 from resources.private_dirs import RUN_DIR_CONF, assert_private, returns_one
 
 import sparkdl
@@ -63,6 +64,29 @@ def test_a_run_without_run_dir_writes_under_a_private_directory(spark: Any, temp
     assert result.checkpoint_dir.endswith(f"{mine}/runs/{result.run_id}/checkpoints")
     assert any((mine / "runs" / result.run_id / "checkpoints").iterdir()), "no checkpoint was written"
     assert result.metrics_path == str(mine / "runs" / result.run_id / "metrics.jsonl")
+
+
+@pytest.mark.spark
+def test_on_a_cluster_whose_default_file_system_is_remote_runs_go_there(
+    spark: Any, temp_dir: Path, tmp_path: Path, no_leaks: None
+) -> None:
+    # fs.defaultFS as core-site.xml sets it on a YARN cluster (hdfs://...); here a real FTP server.
+    hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+    before = hadoop.get("fs.defaultFS")
+    served = tmp_path / "ftp-root"
+    served.mkdir()
+    with ftp_server(served) as base:
+        hadoop.set("fs.defaultFS", base + "/")
+        try:
+            result = sparkdl.launch(saves_a_checkpoint, num_workers=1, config=FAST)
+        finally:
+            hadoop.set("fs.defaultFS", before)
+    user = spark.sparkContext.sparkUser()
+    assert result.value == 0
+    assert result.run_dir == f"{base}/user/{user}/sparkdl/runs/{result.run_id}"
+    written = served / "user" / user / "sparkdl" / "runs" / result.run_id / "checkpoints"
+    assert any(written.iterdir()), "no checkpoint reached the default file system"
+    assert not (temp_dir / f"sparkdl-{os.getuid()}" / "runs" / result.run_id / "checkpoints").exists()
 
 
 @pytest.mark.spark
