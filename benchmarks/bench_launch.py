@@ -20,7 +20,9 @@ and with the MPI controller (an Open MPI job formed by the tasks), and prints MP
 
 ``--curve 2 4 8 16 32``: instead, the launch curve: sparkdl's warm median at each gang size on
 ``local[<largest>]`` (targets: T(32) <= 2 x T(2)), and TorchDistributor's at ``--td-at`` ranks
-(default 16) in the same session (target: sparkdl / TorchDistributor <= 0.05 there).
+(default 16) in the same session (target: sparkdl / TorchDistributor <= 0.05 there). With
+``--hosts N`` (root), on a standalone cluster of N namespaced hosts, one executor of one core each
+(tools/netns_cluster.py), the driver in this process on the bridge: ``--curve 2 4 8 --hosts 8 --td-at 8``.
 """
 
 from __future__ import annotations
@@ -73,19 +75,39 @@ def _time(fn: Callable[[], object], expected: float = 2.0) -> float:
     return elapsed
 
 
-def curve(sizes: list[int], td_at: int, runs: int) -> None:
-    """sparkdl's warm launch at each gang size, and TorchDistributor's at ``td_at``, on one session."""
+def curve(sizes: list[int], td_at: int, runs: int, hosts: int = 0) -> None:
+    """sparkdl's warm launch at each gang size, and TorchDistributor's at ``td_at``, on one session:
+    of ``local[<largest>]``, or with ``hosts`` of a standalone cluster of that many namespaced hosts
+    (tools/netns_cluster.py; one worker of one core each, the driver here on the bridge)."""
+    if hosts:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+        from netns_cluster import NetnsCluster
+
+        with NetnsCluster(hosts, cores=1, memory="1g", start_timeout_s=180) as cluster:
+            os.environ["SPARK_LOCAL_IP"] = cluster.driver_host
+            # Each host's one interface is eth0; its name resolves to loopback, where gloo would
+            # otherwise bind (sparkdl picks the interface of its rank's address itself).
+            conf = {**cluster.driver_conf(), "spark.executor.memory": "512m",
+                    "spark.executorEnv.GLOO_SOCKET_IFNAME": "eth0"}
+            _curve(sizes, td_at, runs, cluster.master_url, conf, f"{hosts} namespaced hosts")
+        return
+    master = f"local[{max(*sizes, td_at)}]"
+    _curve(sizes, td_at, runs, master, {"spark.ui.enabled": "false"}, master)
+
+
+def _curve(sizes: list[int], td_at: int, runs: int, master: str, conf: dict[str, str], where: str) -> None:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     import sparkdl
     from sparkdl.session import create_session
 
-    master = f"local[{max(*sizes, td_at)}]"
-    spark = create_session(master, {"spark.ui.enabled": "false"}, "sparkdl-bench-curve", master)
+    spark = create_session(master, conf, "sparkdl-bench-curve", master)
     spark.sparkContext.setLogLevel("ERROR")
     quiet = sparkdl.RunConfig(echo_logs=False, progress=False)
-    print(f"launch curve on {master}, {os.cpu_count()} cores, median of {runs} warm runs", flush=True)
+    print(f"launch curve on {where}, {os.cpu_count()} cores, median of {runs} warm runs", flush=True)
     medians: dict[int, float] = {}
+    # Every executor warm first (its zygote, its Python workers): a small gang may land on any.
+    _time(lambda: sparkdl.run(allreduce_with_sparkdl_group, num_workers=max(sizes), config=quiet), float(max(sizes)))
     for n in sizes:
         def launch(n: int = n) -> object:
             return sparkdl.run(allreduce_with_sparkdl_group, num_workers=n, config=quiet)
@@ -120,9 +142,11 @@ def main() -> None:
     parser.add_argument("--horovod", action="store_true", help="also time backend='horovod' with Gloo and with MPI")
     parser.add_argument("--curve", type=int, nargs="+", metavar="N", help="the launch curve at these gang sizes")
     parser.add_argument("--td-at", type=int, default=16, help="TorchDistributor's gang size in --curve (default 16)")
+    parser.add_argument("--hosts", type=int, default=0, metavar="N",
+                        help="--curve on a standalone cluster of N namespaced hosts (root), not local[N]")
     args = parser.parse_args()
     if args.curve:
-        curve(sorted(args.curve), args.td_at, args.runs)
+        curve(sorted(args.curve), args.td_at, args.runs, args.hosts)
         return
 
     from pyspark.ml.torch.distributor import TorchDistributor
