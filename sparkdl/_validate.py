@@ -53,3 +53,10 @@ def positive_number(what: str, value: Any) -> float:
     if not is_number(value) or value <= 0:
         raise ConfigError(f"{what} must be a positive number; got {value!r}")
     return float(value)
+
+
+def nearest_multiples(what: str, value: int, step: int) -> str:
+    """The counts of ``what`` nearest ``value`` that are multiples of ``step``, as a fix says them:
+    ``"num_workers=4 or 6"`` (only ``step`` itself below the first multiple)."""
+    low = value - value % step
+    return f"{what}={low or step}" + (f" or {low + step}" if low else "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from sparkdl._validate import nearest_multiples
 from sparkdl.errors import ConfigError
 from sparkdl.spark_api import is_remote
 
@@ -64,11 +65,9 @@ def tasks_of(owner: str, name: str, total: int, per_task: int) -> int:
     """The Spark tasks of ``total`` processes when each task has ``per_task`` GPUs and as many
     processes; GpuConfigError naming the two nearest counts when ``total`` is no multiple of it."""
     if total % per_task:
-        low = total - total % per_task
         raise GpuConfigError(
             f"{owner}({name}={total}) with {TASK_GPU_CONF}={per_task}: {name} must be a multiple of "
-            f"{TASK_GPU_CONF} (each task's GPUs go to as many processes); use {name}={low or per_task}"
-            + (f" or {low + per_task}" if low else "")
+            f"{TASK_GPU_CONF} (each task's GPUs go to as many processes); use {nearest_multiples(name, total, per_task)}"
         )
     return total // per_task
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkdl import spark_api
-from sparkdl._validate import int_at_least
+from sparkdl._validate import int_at_least, nearest_multiples
 from sparkdl.backends import BACKENDS, check_driver
 from sparkdl.config import RunConfig
 from sparkdl.driver import cluster
@@ -236,10 +236,8 @@ def _tasks(num_workers: int, backend: str, per_task: int) -> int:
             "spark.task.resource.gpu.amount=1), or use backend='torch'"
         )
     if num_workers % per_task:
-        low = num_workers - num_workers % per_task
         raise ConfigError(
             f"num_workers={num_workers} is not a multiple of RunConfig.processes_per_task={per_task}: "
-            f"each Spark task runs {per_task} ranks; use num_workers={low or per_task}"
-            + (f" or {low + per_task}" if low else "")
+            f"each Spark task runs {per_task} ranks; use {nearest_multiples('num_workers', num_workers, per_task)}"
         )
     return num_workers // per_task
