@@ -130,7 +130,8 @@ class _Relay:
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         pending: list[bytes] = []  # whole lines read and not yet sent, without their newline
-        size, partial, due = 0, b"", None
+        partial: list[bytes] = []  # the pieces of the line being read (a long one comes in many reads)
+        size, due = 0, None
         try:
             while True:
                 wait_ms = None if due is None else max(0, int((due - time.monotonic()) * 1000))
@@ -138,15 +139,19 @@ class _Relay:
                     chunk = os.read(fd, _READ_BYTES)
                     if not chunk:
                         break
-                    *whole, partial = (partial + chunk).split(b"\n")
-                    pending += whole
-                    size += sum(map(len, whole))
-                    if whole and due is None:
-                        due = time.monotonic() + BATCH_S
+                    *whole, rest = chunk.split(b"\n")
+                    if whole:
+                        whole[0] = b"".join([*partial, whole[0]])
+                        partial = []
+                        pending += whole
+                        size += sum(map(len, whole))
+                        due = due or time.monotonic() + BATCH_S
+                    if rest:
+                        partial.append(rest)
                 if pending and (size >= BATCH_BYTES or time.monotonic() >= (due or 0)):
                     self._send(pending)
                     pending, size, due = [], 0, None
-            self._send(pending + ([partial] if partial else []))
+            self._send(pending + ([b"".join(partial)] if partial else []))
         finally:
             self._stream.close()
 

@@ -88,6 +88,18 @@ def test_a_multibyte_character_split_between_reads_stays_whole() -> None:
     assert sink.got() == [line.decode()]
 
 
+def test_a_line_of_many_reads_comes_whole_and_without_copying_it_over_and_over() -> None:
+    sink = _Calls()
+    write_fd, relay = _relay(sink)
+    line = b"z" * (64 * 1024 * 1024)  # 1,024 reads of the pipe; joined once, it takes well under a second
+    writer = threading.Thread(target=lambda: (os.write(write_fd, line + b"\nnext\n"), os.close(write_fd)))
+    started = time.monotonic()
+    writer.start()
+    relay.thread.join(60)
+    writer.join(10)
+    assert [len(t) for t in sink.got()] == [len(line), 4] and time.monotonic() - started < 20
+
+
 class _Frames:
     def __init__(self) -> None:
         self.frames: list[dict[str, Any]] = []
