@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -34,6 +35,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 from netns_cluster import NetnsCluster  # noqa: E402
 
 DRIVER = ROOT / "tests" / "resources" / "netns_driver.py"
+# The interpreter this venv was made from: the "system Python" every host has.
+SYSTEM_PYTHON: str = sys._base_executable  # type: ignore[attr-defined]
 NEEDED = ("torch", "pyarrow", "sparkdl")
 
 
@@ -87,18 +90,18 @@ def main(venv: Path) -> None:
         with NetnsCluster(2, cores=1, memory="1g", python="./env/bin/python", hide=hide, tmp_size="4g") as cluster:
             scenario(venv, cluster, archive)
     finally:
-        subprocess.run(["rm", "-rf", str(work)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def scenario(venv: Path, cluster: NetnsCluster, archive: Path) -> None:
-    bare = cluster.exec(0, [sys._base_executable, "-c", "import importlib.util as u, sys; "  # type: ignore[attr-defined]
+    bare = cluster.exec(0, [SYSTEM_PYTHON, "-c", "import importlib.util as u, sys; "
                             f"print([m for m in {list(NEEDED)} if u.find_spec(m)], sys.prefix)"])
     check(bare.returncode == 0 and bare.stdout.startswith("[]"),
           f"the workers' system Python finds some of {NEEDED}: {bare.stdout}{bare.stderr}")
     for path in (ROOT, venv, Path(sys.prefix)):
         seen = cluster.exec(0, ["ls", "-A", str(path)])
         check(seen.stdout.strip() == "", f"worker 0 sees {path}: {seen.stdout[:200]}")
-    say(f"workers: {sys._base_executable} without {', '.join(NEEDED)}; this checkout, its venv and {venv} hidden")  # type: ignore[attr-defined]
+    say(f"workers: {SYSTEM_PYTHON} without {', '.join(NEEDED)}; this checkout, its venv and {venv} hidden")
     python = str(venv / "bin" / "python")
     # sparkdl doctor, a Python program, takes the executors' Python from --conf spark.pyspark.python;
     # a driver started as `python job.py` from PYSPARK_PYTHON (pyspark reads no conf for it).
@@ -106,7 +109,7 @@ def scenario(venv: Path, cluster: NetnsCluster, archive: Path) -> None:
     base = {**cluster.driver_conf(), "spark.executor.memory": "512m", "spark.pyspark.driver.python": python,
             "spark.sparkdl.runDir": f"{cluster.shared}/runs", "spark.sparkdl.cacheDir": f"{cluster.shared}/cache"}
 
-    code, text = doctor(venv, cluster, env, {**base, "spark.pyspark.python": sys._base_executable})  # type: ignore[attr-defined]
+    code, text = doctor(venv, cluster, env, {**base, "spark.pyspark.python": SYSTEM_PYTHON})
     hosts = [h.address for h in cluster.hosts]
     for name in NEEDED:
         check("missing on 2/2" in row(text, name), f"doctor on bare executors: no 'missing on 2/2' for {name}\n{text}")

@@ -78,7 +78,7 @@ def check_cluster(report: Report, spark: SparkSession, driver: dict[str, str | N
     _check_slots(report, api, conf, total, num_workers)
 
     partitions = max(total or api.default_parallelism(), 1) * 2
-    dirs = _plant_markers(spark, conf)
+    dirs = _plant_markers(api, spark, conf)
     try:
         with Listener(api.channel_host()) as channel:
             rows = probe_executors(api, partitions, timeout_s,
@@ -222,11 +222,10 @@ def _check_executor_gpus(report: Report, conf: Any, envs: list[dict[str, Any]], 
         report.add("gpu scheduling", OK, executors=f"GPU per task: {amount}; assigned on {len(envs)}/{len(envs)}")
 
 
-def _plant_markers(spark: SparkSession, conf: Any) -> dict[str, tuple[Marker, str]]:
+def _plant_markers(api: SparkApi, spark: SparkSession, conf: Any) -> dict[str, tuple[Marker, str]]:
     """A marker in the run and the cache directory (name: (marker, the setting that moves it));
     a directory the driver cannot write gets no marker (its row says so)."""
     planted = {}
-    api = of(spark)
     root = runs_root(conf, default_fs=api.default_fs(), user=api.spark_user())
     for name, url, setting in (("run directory", normalize_url(root), RUN_DIR_CONF),
                                ("cache directory", cache_dir(spark), CACHE_DIR_CONF)):
