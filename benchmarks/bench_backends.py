@@ -84,8 +84,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="hidden width of the MLP (default 1024)")
     args = parser.parse_args()
     import sparkdl
-    import sparkdl.backends
-    from sparkdl.session import create_session
+    import sparkdl._internal.backends
+    from sparkdl._internal.spark.session import create_session
 
     spark = create_session("local[2]", {"spark.ui.enabled": "false"}, "sparkdl-bench", "local[2]")
     spark.sparkContext.setLogLevel("ERROR")
@@ -94,7 +94,7 @@ def main() -> None:
     t_hvd = sparkdl.run(horovod, args.steps, args.hidden, num_workers=2, backend="horovod", config=quiet)
     mpi = quiet.replace(horovod_controller="mpi")
     try:
-        sparkdl.backends.check_driver("horovod", mpi)
+        sparkdl._internal.backends.check_driver("horovod", mpi)
         t_mpi: float | None = sparkdl.run(horovod, args.steps, args.hidden, num_workers=2, backend="horovod",
                                           config=mpi)
     except sparkdl.BackendUnavailableError as exc:

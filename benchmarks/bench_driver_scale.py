@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from driver_load import Load, Measured, drive
 
-from sparkdl.task.rankproc import BATCH_S
+from sparkdl._internal.task.rankproc import BATCH_S
 
 
 def main() -> int:
@@ -72,7 +72,7 @@ def main() -> int:
 def steady(ranks: list[int], rate: float, seconds: float) -> int:
     """A steady load: what it offers, what the driver wrote, its CPU share, how far behind it ended;
     for each N twice: one frame a line (the baseline: tasks before batching) and frames of what a
-    task's relay reads within its window (sparkdl.task.rankproc.BATCH_S), the ratio between them."""
+    task's relay reads within its window (sparkdl._internal.task.rankproc.BATCH_S), the ratio between them."""
     print(f"{'ranks':>6} {'frames':>13} {'offered lines/s':>16} {'written lines/s':>16} {'metrics':>8} "
           f"{'driver cpu':>11} {'cpu us/line':>12} {'behind at end s':>16} {'console':>9}")
     bad = 0

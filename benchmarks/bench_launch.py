@@ -99,7 +99,7 @@ def _curve(sizes: list[int], td_at: int, runs: int, master: str, conf: dict[str,
     from pyspark.ml.torch.distributor import TorchDistributor
 
     import sparkdl
-    from sparkdl.session import create_session
+    from sparkdl._internal.spark.session import create_session
 
     spark = create_session(master, conf, "sparkdl-bench-curve", master)
     spark.sparkContext.setLogLevel("ERROR")
@@ -153,7 +153,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     import sparkdl
-    from sparkdl.session import create_session
+    from sparkdl._internal.spark.session import create_session
 
     server = None
     if args.remote:

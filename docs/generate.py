@@ -1,6 +1,6 @@
 """The reference pages that are read from the code, written at every build (``docs/conf.py``):
 the settings (every ``RunConfig`` field with its default and its docstring entry, every
-``spark.sparkdl.*`` conf of :mod:`sparkdl.confs`) and the command line (its parser's help)."""
+``spark.sparkdl.*`` conf of :mod:`sparkdl._internal.spark.confs`) and the command line (its parser's help)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def run_config_fields() -> list[tuple[str, str, str]]:
 
 
 def settings_page() -> str:
-    from sparkdl import confs
+    from sparkdl._internal.spark import confs
 
     lines = [
         "# Settings",
@@ -74,7 +74,7 @@ def _plain(text: str) -> str:
 
 
 def cli_page() -> str:
-    from sparkdl.cli import build_parser
+    from sparkdl._internal.cli import build_parser
 
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal's width: the page does not depend on it
     parser = build_parser()

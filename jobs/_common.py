@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkdl.errors import ConfigError
-from sparkdl.private import user_dir
-from sparkdl.session import conf_pair, create_session
-from sparkdl.session import read_properties as _read_properties
+from sparkdl import ConfigError
+from sparkdl._internal.fs.private import user_dir
+from sparkdl._internal.spark.session import conf_pair, create_session
+from sparkdl._internal.spark.session import read_properties as _read_properties
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -49,7 +49,7 @@ def conf_dir() -> Path:
 
 
 def read_properties(path: str | os.PathLike[str]) -> dict[str, str]:
-    """:func:`sparkdl.session.read_properties`, ending the job with its ``file:line`` message on a bad line."""
+    """:func:`sparkdl._internal.spark.session.read_properties`, ending the job with its ``file:line`` message on a bad line."""
     try:
         return _read_properties(path)
     except ConfigError as exc:

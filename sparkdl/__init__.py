@@ -2,14 +2,8 @@
 
 from typing import TYPE_CHECKING, Any
 
-from sparkdl._version import __version__ as __version__
-from sparkdl.compat import HorovodRunner, TorchDistributor
-from sparkdl.config import RunConfig
-from sparkdl.data import Dataset, write_dataset
-from sparkdl.data.images import ImageDecoder
-from sparkdl.driver.result import RunResult
-from sparkdl.driver.run import launch, run
-from sparkdl.errors import (
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.common.errors import (
     BackendUnavailableError,
     ConfigError,
     DatasetError,
@@ -19,10 +13,16 @@ from sparkdl.errors import (
     RunTimeoutError,
     SparkDLError,
 )
-from sparkdl.rank.context import RunContext, context
-from sparkdl.train.keras import keras_checkpoint, keras_resume
-from sparkdl.train.state import TrainState
-from sparkdl.train.store import CheckpointStore
+from sparkdl._internal.data.images import ImageDecoder
+from sparkdl._internal.driver.result import RunResult
+from sparkdl._internal.driver.run import launch, run
+from sparkdl._internal.rank.context import RunContext, context
+from sparkdl._internal.train.keras import keras_checkpoint, keras_resume
+from sparkdl._internal.train.state import TrainState
+from sparkdl._internal.train.store import CheckpointStore
+from sparkdl._version import __version__ as __version__
+from sparkdl.compat import HorovodRunner, TorchDistributor
+from sparkdl.data import Dataset, write_dataset
 
 if TYPE_CHECKING:
     from sparkdl.ml import TorchEstimator, TorchModel

@@ -339,7 +339,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def _rank_processes() -> list[psutil.Process]:
-    """Live rank processes that this test process started: fresh interpreters (``-m sparkdl.rank``)
+    """Live rank processes that this test process started: fresh interpreters (``-m sparkdl._internal.rank``)
     and ranks forked by a zygote, and an MPI job's (mpirun, its daemons, sparkdl's agents and proxies)."""
     found = []
     for proc in psutil.process_iter(["cmdline", "name", "status"]):
@@ -347,7 +347,7 @@ def _rank_processes() -> list[psutil.Process]:
         name = proc.info.get("name") or ""
         if proc.info.get("status") == psutil.STATUS_ZOMBIE:
             continue
-        if ("sparkdl.rank" in cmd or name.startswith("sparkdl-rank") or "sparkdl.task.mpi_proxy" in cmd
+        if ("sparkdl._internal.rank" in cmd or name.startswith("sparkdl-rank") or "sparkdl._internal.horovod.mpi_proxy" in cmd
                 or name in ("orted", "mpirun")) and owned(proc):
             found.append(proc)
     return found

@@ -12,7 +12,7 @@ reaches one of those packages. So:
   stack's packages; otherwise the modern stack alone runs it, and the summary says so and why.
 
 Package ``__init__`` files are not followed as a side effect of importing a submodule: importing
-``sparkdl.wire.messages`` runs ``sparkdl/__init__.py``, but the test exercises the wire module,
+``sparkdl._internal.wire.messages`` runs ``sparkdl/__init__.py``, but the test exercises the wire module,
 not the data path that ``sparkdl/__init__`` re-exports.
 """
 
@@ -30,7 +30,7 @@ PACKAGE = "sparkdl"
 
 
 def _module_file(name: str) -> Path | None:
-    """The file of sparkdl module ``name`` (``sparkdl.data.loader``), or None if it is not one."""
+    """The file of sparkdl module ``name`` (``sparkdl._internal.data.loader``), or None if it is not one."""
     parts = name.split(".")
     if parts[0] != PACKAGE:
         return None
@@ -56,7 +56,7 @@ def _imports(path: Path, module: str | None) -> set[str]:
                 keep = len(package) - node.level + (1 if path.name == "__init__.py" else 0)
                 base = ".".join(package[:keep] + ([base] if base else []))
             found.add(base)
-            # ``from sparkdl.data import loader`` imports the module sparkdl.data.loader.
+            # ``from sparkdl._internal.data import loader`` imports the module sparkdl._internal.data.loader.
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
 

@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkdl.config import RunConfig
-from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.output import RankOutput, dedupes
-from sparkdl.driver.progress import MetricsLog, Progress
-from sparkdl.driver.report import build_report
-from sparkdl.wire.channel import connect
-from sparkdl.wire.messages import (
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.driver.monitor import Monitor
+from sparkdl._internal.driver.output import RankOutput, dedupes
+from sparkdl._internal.driver.progress import MetricsLog, Progress
+from sparkdl._internal.driver.report import build_report
+from sparkdl._internal.wire.channel import connect
+from sparkdl._internal.wire.messages import (
     DumpStacks,
     Exited,
     Gang,
@@ -47,14 +47,14 @@ from sparkdl.wire.messages import (
     Started,
     encode,
 )
-from sparkdl.wire.server import ChannelServer
+from sparkdl._internal.wire.server import ChannelServer
 
 # What every rank of a failing gang is doing when asked: waiting in one collective.
 STACK = (
     "Current thread 0x{tid:x} (most recent call first):\n"
     '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce\n'
     '  File "/app/train.py", line 40 in train\n'
-    '  File "/site-packages/sparkdl/rank/main.py", line 120 in main\n'
+    '  File "/site-packages/sparkdl/_internal/rank/main.py", line 120 in main\n'
 )
 ERROR = "ValueError: bad batch 17"
 
@@ -91,7 +91,7 @@ class Load:
     metrics: int = 20  # log_metrics records from every rank
     fail: bool = False  # rank 0 fails; the others are stopped in a collective
     timeout_s: float = 600.0
-    # > 0: the lines go as a task's relay sends them (sparkdl.task.rankproc): those that come
+    # > 0: the lines go as a task's relay sends them (sparkdl._internal.task.rankproc): those that come
     # within this window in one frame (a burst: frames of up to 64 KiB); 0: one frame a line.
     batch_s: float = 0.0
 
@@ -153,7 +153,7 @@ def drive(load: Load, workdir: Path) -> Measured:
     deadline = time.monotonic() + load.timeout_s
     child: subprocess.Popen[str] | None = None
     try:
-        # As the driver makes it (sparkdl/driver/spark.py): the default handshake limits.
+        # As the driver makes it (sparkdl/_internal/driver/spark.py): the default handshake limits.
         with ChannelServer("127.0.0.1", secret, monitor.on_message, monitor.on_close,
                            handshake_timeout_s=cfg.handshake_timeout_s) as server:
             rss0, cpu0, t0 = _rss_kib(), time.process_time(), time.monotonic()

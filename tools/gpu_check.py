@@ -139,10 +139,10 @@ def two_gpus_rank() -> dict[str, Any]:
 
 def _check_no_pyspark() -> str:
     import sparkdl
-    import sparkdl.data.loader
-    import sparkdl.driver.local
-    import sparkdl.ml.scoring
-    import sparkdl.train.state  # noqa: F401
+    import sparkdl._internal.data.loader
+    import sparkdl._internal.driver.local
+    import sparkdl._internal.ml.scoring
+    import sparkdl._internal.train.state  # noqa: F401
 
     loaded = sorted(m for m in sys.modules if m == "pyspark" or m.startswith("pyspark."))
     _expect(not loaded, f"importing them loaded {loaded[:5]}")
@@ -158,7 +158,7 @@ def _check_no_pyspark() -> str:
 def _launch(fn: Callable[..., Any], args: tuple[Any, ...], n: int, gpu_ids: list[str] | None,
             timeout_s: float, echo: bool = True) -> Any:
     from sparkdl import RunConfig
-    from sparkdl.driver.local import run_on_driver
+    from sparkdl._internal.driver.local import run_on_driver
 
     cfg = RunConfig(timeout_s=timeout_s, collective_timeout_s=min(120.0, timeout_s), progress=False,
                     echo_logs=echo, prewarm=False)
@@ -205,14 +205,14 @@ def _check_two_gpus(addresses: list[str], timeout_s: float) -> Result:
 
 
 def _check_scoring(cuda: bool) -> list[Result]:
-    """TorchModel's scoring function (``sparkdl.ml.scoring``), called without Spark."""
+    """TorchModel's scoring function (``sparkdl._internal.ml.scoring``), called without Spark."""
     import cloudpickle
     import numpy as np
     import pyarrow as pa
     import torch
 
-    from sparkdl.ml import scoring
-    from sparkdl.ml.fit_plan import REGRESSION
+    from sparkdl._internal.ml import scoring
+    from sparkdl._internal.ml.fit_plan import REGRESSION
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))

@@ -14,7 +14,7 @@
 It runs where Petastorm's does not: Spark 4, pyarrow >= 15 and Spark Connect (it never reaches
 into ``df._jdf``). Unlike Petastorm's, every shard gets the same number of batches per epoch
 (Petastorm shards by row groups, which hold unequal rows, so ranks run out at different steps
-and a collective hangs); a shard's rows are those of sparkdl's loader (:mod:`sparkdl.data.loader`).
+and a collective hangs); a shard's rows are those of sparkdl's loader (:mod:`sparkdl._internal.data.loader`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sparkdl.errors import ConfigError
+from sparkdl._internal.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from sparkdl.data.dataset import Dataset
-    from sparkdl.data.loader import Loader
+    from sparkdl._internal.data.dataset import Dataset
+    from sparkdl._internal.data.loader import Loader
 
 __all__ = ["SparkDatasetConverter", "make_spark_converter"]
 
@@ -86,7 +86,7 @@ class SparkDatasetConverter:
 
     def dataset(self, storage_options: Mapping[str, Any] | None = None) -> Dataset:
         """The :class:`sparkdl.Dataset` of ``cache_dir_url``, for sparkdl's own loader."""
-        from sparkdl.data.dataset import Dataset
+        from sparkdl._internal.data.dataset import Dataset
 
         if storage_options:
             return Dataset(self.cache_dir_url, storage_options=storage_options)
@@ -214,7 +214,7 @@ class TorchDataLoader:
 
 @contextlib.contextmanager
 def _tf_dataset(converter: SparkDatasetConverter, options: dict[str, Any], prefetch: int | None) -> Iterator[Any]:
-    from sparkdl.data.tfdata import named_batches, tf_dataset
+    from sparkdl._internal.data.tfdata import named_batches, tf_dataset
 
     opts = dict(options)
     num_epochs = opts.pop("num_epochs")
@@ -247,7 +247,7 @@ def make_spark_converter(
 
     The files are deleted at the driver's exit, as Petastorm's are, or by ``converter.delete()``.
     """
-    from sparkdl.data.write import write_to
+    from sparkdl._internal.data.write import write_to
 
     spark = df.sparkSession
     parent = spark.conf.get(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, None)
@@ -350,7 +350,7 @@ def _shard(cur_shard: Any, shard_count: Any) -> tuple[int, int]:
 
 
 def _delete(url: str) -> None:
-    from sparkdl.storage import filesystem
+    from sparkdl._internal.fs.storage import filesystem
 
     fs, root = filesystem(url, None)
     with contextlib.suppress(FileNotFoundError):

@@ -229,7 +229,7 @@ def test_doctor_names_both_hosts_the_shared_directories_the_gpus_and_missing_slo
     # Each executor asks for one of its worker's (fake) GPUs and each task for one: Spark assigns
     # them, but torch here is a CPU build, and 3 ranks do not fit 2 slots. Both are errors, and so
     # is the cache directory left on each host's own disk.
-    cmd = [sys.executable, "-m", "sparkdl.cli", "doctor", "--master", cluster.master_url, "-n", "3", "--timeout", "120"]
+    cmd = [sys.executable, "-m", "sparkdl", "doctor", "--master", cluster.master_url, "-n", "3", "--timeout", "120"]
     confs = _conf(cluster, **{"spark.sparkdl.runDir": f"{cluster.shared}/runs",  # the cache dir stays the default
                               "spark.executor.resource.gpu.amount": "1", "spark.task.resource.gpu.amount": "1"})
     confs.pop("spark.master")

@@ -25,7 +25,7 @@ import cloudpickle
 import pytest
 
 import sparkdl
-from sparkdl.config import RunConfig
+from sparkdl._internal.common.config import RunConfig
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -99,7 +99,7 @@ class ExecutorKiller:
 def fresh_cluster(spark_session) -> Iterator[Any]:  # type: ignore[no-untyped-def]
     """A local-cluster of its own (a test kills one of its executors for good), with both
     executors registered. The next test that asks for a session stops it."""
-    from sparkdl.spark_api import ClassicApi
+    from sparkdl._internal.spark.spark_api import ClassicApi
 
     session = spark_session(MASTER, {"spark.executor.memory": "512m", "spark.sparkdl.test.shrink": secrets.token_hex(4)})
     deadline = time.monotonic() + 120
@@ -119,7 +119,7 @@ def test_an_executor_lost_for_good_shrinks_the_gang_and_the_run_resumes(
     fresh_cluster, no_leaks, tmp_path, caplog  # type: ignore[no-untyped-def]
 ) -> None:
     marker = tmp_path / "executor-of-rank-1"
-    caplog.set_level(logging.WARNING, logger="sparkdl.driver.spark")
+    caplog.set_level(logging.WARNING, logger="sparkdl._internal.driver.spark")
     with ExecutorKiller(fresh_cluster.sparkContext, marker) as killer:
         result = sparkdl.launch(steps, str(marker), num_workers=2, max_attempts=3,
                                 config=CFG.replace(min_workers=1), checkpoint_dir=str(tmp_path / "ckpt"))
@@ -278,7 +278,7 @@ def test_a_shrunk_gang_grows_back_at_its_next_checkpoint_when_an_executor_return
 ) -> None:
     import json
 
-    from sparkdl.spark_api import ClassicApi
+    from sparkdl._internal.spark.spark_api import ClassicApi
 
     sc = fresh_cluster.sparkContext
     rows = [(i, [float(i % 7)] * 8, float(i % 5)) for i in range(96)]
@@ -299,7 +299,7 @@ def test_a_shrunk_gang_grows_back_at_its_next_checkpoint_when_an_executor_return
             time.sleep(0.2)
         (log / "returned").touch()
 
-    caplog.set_level(logging.WARNING, logger="sparkdl.driver.spark")
+    caplog.set_level(logging.WARNING, logger="sparkdl._internal.driver.spark")
     returner = threading.Thread(target=bring_one_back, daemon=True)
     returner.start()
     with ExecutorKiller(sc, marker):

@@ -125,7 +125,7 @@ def test_jobs_via_spark_submit(cluster: Any, tmp_path: Path) -> None:
 def test_doctor_reports_both_executors_the_gpus_and_missing_slots(cluster: Any) -> None:
     # Each executor asks for one of its worker's (fake) GPUs and each task for one: Spark assigns
     # them, but torch here is a CPU build, and 3 ranks do not fit 2 slots. Both are errors.
-    cmd = [sys.executable, "-m", "sparkdl.cli", "doctor", "--master", cluster.master_url, "-n", "3", "--timeout", "120"]
+    cmd = [sys.executable, "-m", "sparkdl", "doctor", "--master", cluster.master_url, "-n", "3", "--timeout", "120"]
     for key, value in {
         "spark.executor.memory": "512m", "spark.cores.max": "2", "spark.ui.enabled": "false",
         "spark.pyspark.python": sys.executable, "spark.driver.host": "127.0.0.1",

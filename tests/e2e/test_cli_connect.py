@@ -1,7 +1,7 @@
 """The ``sparkdl`` command line as a Spark Connect client: ``--remote sc://...`` (or ``SPARK_REMOTE``).
 
 The server is pip pyspark 4's own ``SparkConnectServer`` on 127.0.0.1 (tools/connect_server.py),
-``local[2]``; the command runs as a real subprocess (``python -m sparkdl.cli``), so its session is
+``local[2]``; the command runs as a real subprocess (``python -m sparkdl``), so its session is
 ``SparkSession.builder.remote(url)``: no SparkContext and no JVM in the command's process. The
 classic stack (pyspark 3.5) skips here; the usage errors that need no server are in
 tests/unit/cli/test_cli_usage.py.
@@ -24,7 +24,7 @@ from connect_server import ConnectServer
 
 pytestmark = [pytest.mark.spark]
 
-CLI = [sys.executable, "-m", "sparkdl.cli"]
+CLI = [sys.executable, "-m", "sparkdl"]
 
 
 
@@ -137,7 +137,7 @@ def test_doctor_over_spark_remote_finds_too_few_slots_and_a_channel_host_it_cann
 REACH = textwrap.dedent('''\
     import json, sys, tempfile
     from pyspark.sql import SparkSession
-    from sparkdl.reach import Marker, probe_executors
+    from sparkdl._internal.spark.reach import Marker, probe_executors
 
     spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
     seen = Marker.plant("file://" + tempfile.mkdtemp())
@@ -167,6 +167,6 @@ def test_no_command_left_a_process_under_the_server(connect_server: ConnectServe
     deadline = time.monotonic() + 30
     while left := [p for p in psutil.Process(connect_server.proc.pid).children(recursive=True)
                    if p.status() != psutil.STATUS_ZOMBIE
-                   and ("sparkdl.rank" in " ".join(p.cmdline()) or p.name().startswith("sparkdl-rank"))]:
+                   and ("sparkdl._internal.rank" in " ".join(p.cmdline()) or p.name().startswith("sparkdl-rank"))]:
         assert time.monotonic() < deadline, [p.cmdline() for p in left]
         time.sleep(0.2)

@@ -85,7 +85,7 @@ def test_a_worker_refuses_model_bytes_that_do_not_match_the_model_id() -> None:
     import torch
 
     from sparkdl import SparkDLError
-    from sparkdl.ml.scoring import Scorer
+    from sparkdl._internal.ml.scoring import Scorer
 
     data = cloudpickle.dumps(torch.nn.Linear(2, 1))
     good = dict(model_id=hashlib.sha256(data).hexdigest()[:24], task="regression", num_features=2, batch_rows=8,

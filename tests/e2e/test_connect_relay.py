@@ -5,7 +5,7 @@ listens on that namespace's loopback, which no executor reaches, and its one way
 forwarder to the Connect server. The tasks find no driver (spark.sparkdl.channel "auto", the
 default over Connect) and report through the relay hub in task 0: the ranks' output, the
 rerun after a SIGKILL and the failure report still reach the client, through Spark's result rows
-(sparkdl.driver.relay). Then the Connect server is SIGKILLed under a running client: the run
+(sparkdl._internal.driver.relay). Then the Connect server is SIGKILLed under a running client: the run
 ends with an error and no rank outlives it. Modern stack only; the namespace needs root.
 """
 

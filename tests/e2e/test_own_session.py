@@ -21,7 +21,7 @@ import pytest
 import standalone_cluster
 from conftest import REPO
 
-from sparkdl.driver.cluster import executor_error
+from sparkdl._internal.driver.cluster import executor_error
 
 ROOT = REPO
 SYSTEM_PATH = "/usr/bin:/bin"

@@ -36,7 +36,7 @@ def test_a_collective_timeout_reports_where_the_other_rank_was(spark, no_leaks) 
     assert "when rank 0 failed" in rank1
     assert "in rank_1_naps_while_rank_0_all_reduces" in rank1 and "time.sleep(nap_s)" in rank1
     # Innermost first; the function's callers inside sparkdl are left out.
-    assert "sparkdl/rank/main.py" not in rank1 and "frames of sparkdl that called the function" in rank1
+    assert "sparkdl/_internal/rank/main.py" not in rank1 and "frames of sparkdl that called the function" in rank1
 
 
 def nap_on_rank_0() -> None:

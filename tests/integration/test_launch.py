@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 import sparkdl
-from sparkdl.spark_api import ClassicApi
+from sparkdl._internal.spark.spark_api import ClassicApi
 
 # The rank functions below travel by value, as a notebook's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -545,5 +545,5 @@ def test_a_lost_zygote_is_replaced_and_prewarm_false_starts_fresh_interpreters(s
 
     cold = sparkdl.run(gather_rank_descriptions, "cold", num_workers=2, config=FAST.replace(prewarm=False))
     for desc in cold:
-        assert desc["cmdline"][-3:-1] == ["-m", "sparkdl.rank"], desc
+        assert desc["cmdline"][-3:-1] == ["-m", "sparkdl._internal.rank"], desc
         assert desc["parent_name"] != "sparkdl-zygote"

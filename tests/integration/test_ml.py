@@ -264,13 +264,13 @@ def test_transform_is_vectorized_and_loads_once_per_worker(spark, feature_rows, 
 
 def test_transform_on_the_pandas_path_matches(spark, feature_rows, monkeypatch):  # type: ignore[no-untyped-def]
     # pyspark < 4.1 has no arrow_udf; the pandas_udf path serves it and must score the same.
-    import sparkdl.ml.scoring
+    import sparkdl._internal.ml.scoring
 
     _, df = feature_rows
     torch.manual_seed(0)
     net = torch.nn.Linear(8, 2)
     arrow = TorchModel(model=net, task="regression").transform(df).select("id", "prediction").collect()
-    monkeypatch.setattr(sparkdl.ml.scoring, "_arrow_udf_available", lambda: False)
+    monkeypatch.setattr(sparkdl._internal.ml.scoring, "_arrow_udf_available", lambda: False)
     pandas = TorchModel(model=net, task="regression").transform(df).select("id", "prediction").collect()
     key = lambda r: r["id"]  # noqa: E731
     assert [r["prediction"] for r in sorted(arrow, key=key)] == [r["prediction"] for r in sorted(pandas, key=key)]

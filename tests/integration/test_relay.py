@@ -2,7 +2,7 @@
 
 With ``spark.sparkdl.channel=relay`` no task opens the channel to the driver: task 0 runs the
 attempt's relay hub, and its signed record of the attempt comes back as rows of the Spark job,
-which the driver replays into its monitor (sparkdl.driver.relay). Here on a classic local[2]
+which the driver replays into its monitor (sparkdl._internal.driver.relay). Here on a classic local[2]
 session, where the mode is chosen by the conf; tests/e2e/test_connect.py runs it over Spark Connect
 with a client the executors really cannot reach. The record's signature and its replay, without
 Spark, are in tests/unit/driver/test_relay_record.py.
@@ -22,8 +22,8 @@ import pytest
 from resources.relay_config import FAST
 
 import sparkdl
-from sparkdl.errors import ConfigError
-from sparkdl.spark_api import CHANNEL_MODE_CONF, ClassicApi
+from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.spark.spark_api import CHANNEL_MODE_CONF, ClassicApi
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -20,7 +20,7 @@ import cloudpickle
 import pytest
 
 import sparkdl
-from sparkdl.errors import SparkDLError
+from sparkdl._internal.common.errors import SparkDLError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -30,7 +30,7 @@ from conftest import owned
 from resources import zygotes
 
 import sparkdl
-from sparkdl.task.spawn import Zygote
+from sparkdl._internal.task.spawn import Zygote
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -113,7 +113,7 @@ def _executor_zygote_address(spark: Any) -> str:
     def address(batches: Any) -> Any:
         for _ in batches:
             pass
-        from sparkdl.task.spawn import executor_key, zygote_address
+        from sparkdl._internal.task.spawn import executor_key, zygote_address
 
         yield pa.RecordBatch.from_pydict({"a": [zygote_address(executor_key())]})
 
@@ -333,5 +333,5 @@ def test_a_local_session_on_the_hosts_address_keeps_every_sparkdl_listener_on_lo
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     listeners = json.loads(lines[0].split(" ", 1)[1])
     # The driver's channel, the TCPStore and gloo: all present, all on 127.0.0.1.
-    assert any("sparkdl.rank" in cmd or proc.startswith("sparkdl-rank") for _, _, proc, cmd in listeners), listeners
+    assert any("sparkdl._internal.rank" in cmd or proc.startswith("sparkdl-rank") for _, _, proc, cmd in listeners), listeners
     assert {ip for ip, *_ in listeners} == {"127.0.0.1"}, listeners

@@ -1,4 +1,4 @@
-"""The ``sparkdl`` command run as a real subprocess (``python -m sparkdl.cli``), for the tests of
+"""The ``sparkdl`` command run as a real subprocess (``python -m sparkdl``), for the tests of
 the command line (tests/e2e/test_cli.py, tests/unit/cli/test_cli_usage.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-CLI = [sys.executable, "-m", "sparkdl.cli"]
+CLI = [sys.executable, "-m", "sparkdl"]
 
 
 def sparkdl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

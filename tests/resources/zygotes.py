@@ -20,7 +20,7 @@ def zygote(tmp_path: Path) -> Any:
     """A real zygote with a known key, tied to this test process; ended after the test."""
     key = secrets.token_bytes(32)
     address = f"sparkdl-test-{secrets.token_hex(8)}"
-    proc = subprocess.Popen([sys.executable, "-m", "sparkdl.task.zygote", address, str(os.getpid())],
+    proc = subprocess.Popen([sys.executable, "-m", "sparkdl._internal.task.zygote", address, str(os.getpid())],
                             stdin=subprocess.PIPE, start_new_session=True)
     assert proc.stdin is not None
     proc.stdin.write(key.hex().encode() + b"\n")

@@ -12,22 +12,29 @@ from conftest import REPO
 ROOT = REPO / "sparkdl"
 MAX_LINES = 400
 
-# The stages of the path, lowest first: a module may import modules of a lower layer, or of its
-# own group (same layer and same top-level name). The leaves (layer 0) may import each other; the
-# cycle test keeps that one way. "sparkdl" itself (its __init__) is the package's public face, and
-# the command line sits on top of it.
+# The stages of the path, lowest first, named inside sparkdl._internal: a module may import modules
+# of a lower layer, or of its own group (same layer and same top-level name). The leaves (layer 0)
+# may import each other; the cycle test keeps that one way. The public faces (sparkdl itself,
+# sparkdl.data, .ml, .compat) sit on top of the internals, and the command line on top of them.
 LAYERS: list[set[str]] = [
-    {"errors", "_validate", "_version", "config", "confs", "storage", "reach", "private", "proctree", "rankspec", "wire", "session", "spark_api"},
-    {"train.store", "train.sharded", "backends"},
+    {"common", "spark", "fs", "wire", "sparkdl._version"},
+    {"train.store", "train.sharded", "backends.torchdist", "backends.tfdist", "horovod"},
+    # "backends": the registry that picks a backend by name.
+    {"backends"},
     {"rank.context"},
     # "rank" and "train": the packages' own __init__, which import nothing.
     {"train.state", "data", "rank.main", "rank.__main__", "rank", "train"},
     {"task"},
+    # Horovod's mpirun, started by the task's lane beside its ranks.
+    {"horovod.mpi", "horovod.mpi_proxy"},
+    {"task.lane", "task.entry"},
     {"driver"},
-    {"compat", "ml"},
-    {"__init__"},
+    {"compat", "ml", "horovod.horovod_runner"},
+    {"sparkdl.data", "sparkdl.ml", "sparkdl.compat", "sparkdl"},
     # The command line is an application of the public API (it calls sparkdl.run, sparkdl.RunConfig).
     {"cli"},
+    # ``python -m sparkdl`` runs the command line; "_internal": the package's own __init__, a docstring.
+    {"sparkdl.__main__", "_internal"},
 ]
 
 
@@ -77,7 +84,9 @@ GRAPH = {name: {_owner(m) for m, _ in _imports(name, path)} - {name} for name, p
 
 
 def _layer(module: str) -> tuple[int, str]:
-    rel = module.removeprefix("sparkdl").lstrip(".") or "__init__"
+    # Internal modules by their name inside sparkdl._internal, public ones by their full name.
+    rel = module.removeprefix("sparkdl._internal.") if module.startswith("sparkdl._internal.") else module
+    rel = "_internal" if rel == "sparkdl._internal" else rel
     best: tuple[int, str] | None = None
     for index, layer in enumerate(LAYERS):
         for key in layer:

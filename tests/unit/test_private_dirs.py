@@ -15,7 +15,7 @@ from resources import private_dirs
 from resources.private_dirs import RUN_DIR_CONF, assert_private, returns_one
 
 import sparkdl
-from sparkdl.driver.cluster import local_metrics_path, run_dir
+from sparkdl._internal.driver.cluster import local_metrics_path, run_dir
 
 # The fixture, shared with tests/integration/test_private.py.
 temp_dir = private_dirs.temp_dir

@@ -25,7 +25,7 @@ PUBLIC = {
 }
 # Documented because the public API hands them out (ds.loader(), converter.make_torch_dataloader()),
 # not to be imported: their module paths may change.
-HANDED_OUT = {"sparkdl.data.loader.Loader", "sparkdl.compat.petastorm.TorchDataLoader"}
+HANDED_OUT = {"sparkdl._internal.data.loader.Loader", "sparkdl.compat.petastorm.TorchDataLoader"}
 API_PAGE = REPO / "docs" / "reference" / "api.md"
 
 

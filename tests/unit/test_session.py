@@ -1,4 +1,4 @@
-"""sparkdl.session without a JVM: the properties-file reader and ``--conf KEY=VALUE``."""
+"""sparkdl._internal.spark.session without a JVM: the properties-file reader and ``--conf KEY=VALUE``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.errors import ConfigError
-from sparkdl.session import conf_pair, read_properties
+from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.spark.session import conf_pair, read_properties
 
 
 def _write(tmp_path: Path, text: str) -> Path:

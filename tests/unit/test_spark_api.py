@@ -1,11 +1,11 @@
-"""sparkdl.spark_api without a JVM: what a master URL says about task slots, and which sessions
+"""sparkdl._internal.spark.spark_api without a JVM: what a master URL says about task slots, and which sessions
 count as Spark Connect ones (the Connect paths themselves run in tests/e2e/test_connect.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sparkdl.spark_api import is_local_master, is_remote, master_slots
+from sparkdl._internal.spark.spark_api import is_local_master, is_remote, master_slots
 
 
 @pytest.mark.parametrize(

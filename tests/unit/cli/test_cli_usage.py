@@ -1,7 +1,7 @@
 """The ``sparkdl`` command line without a JVM: its parser and usage errors, the exit status of a
 run, the doctor's Java row with no Java and with a fake one, ``--remote`` without a server, the
 listener, and the doctor rows for the driver channel and Horovod's MPI controller built from
-given facts. Most run the command as a real subprocess (``python -m sparkdl.cli``); the doctor
+given facts. Most run the command as a real subprocess (``python -m sparkdl``); the doctor
 with a real Java, and runs on Spark, are in tests/e2e/test_cli.py.
 """
 
@@ -19,9 +19,9 @@ import pytest
 from conftest import path_without
 from resources.cli_command import sparkdl
 
-import sparkdl.cli.runner as cli_run
-from sparkdl import cli
-from sparkdl.errors import ConfigError
+import sparkdl._internal.cli.runner as cli_run
+from sparkdl._internal import cli
+from sparkdl._internal.common.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -156,7 +156,7 @@ def test_remote_with_master_is_a_usage_error_naming_both(tmp_path: Path, command
 
 
 def test_the_remote_url_comes_from_the_flag_then_the_confs_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sparkdl.cli.options import remote_url
+    from sparkdl._internal.cli.options import remote_url
 
     parse = cli.build_parser().parse_args
     monkeypatch.delenv("SPARK_REMOTE", raising=False)
@@ -197,7 +197,7 @@ def _connect_client_installed() -> bool:
 def test_the_listener_takes_connections_and_closes(tmp_path: Path) -> None:
     import socket
 
-    from sparkdl.cli.listen import Listener
+    from sparkdl._internal.cli.listen import Listener
 
     listener = Listener("127.0.0.1")
     with listener as (host, port):
@@ -224,7 +224,7 @@ class _FakeApi:
 
 @pytest.mark.parametrize(("mode", "status"), [("direct", cli.ERROR), ("auto", cli.WARN), (None, cli.OK)])
 def test_the_channel_row_says_which_hosts_do_not_reach_the_client(mode: str | None, status: str) -> None:
-    from sparkdl.cli.executors import _check_channel
+    from sparkdl._internal.cli.executors import _check_channel
 
     rows = [{"host": "a", "address": "10.0.0.1", "channel": None},
             {"host": "b", "address": "10.0.0.2", "channel": None if mode is None else "TimeoutError: timed out"}]
@@ -245,7 +245,7 @@ def test_the_channel_row_says_which_hosts_do_not_reach_the_client(mode: str | No
 def test_the_executor_probe_says_why_the_mpi_controller_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from sparkdl.cli import executor_probe as probe
+    from sparkdl._internal.cli import executor_probe as probe
 
     assert probe._mpi(None) is None  # no Horovod: nothing to check
     if importlib.util.find_spec("horovod") is None:
@@ -258,7 +258,7 @@ def test_the_executor_probe_says_why_the_mpi_controller_cannot_run(tmp_path: Pat
 
 
 def test_the_mpi_row_names_the_executors_without_it_and_merges_the_drivers_reason() -> None:
-    from sparkdl.cli.executor_probe import MPI_ROW, check_executor_mpi
+    from sparkdl._internal.cli.executor_probe import MPI_ROW, check_executor_mpi
 
     no_mpi = {"no": "no mpirun or orted on the PATH. horovod_controller='mpi' needs Open MPI 4 (apt-get install openmpi-bin)"}
     ok = {"ok": "Horovod 0.28.1, Open MPI 4.1.4"}

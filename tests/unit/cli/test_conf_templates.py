@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sparkdl.cli.templates import DIR, TEMPLATES
+from sparkdl._internal.cli.templates import DIR, TEMPLATES
 
 
 def _sparkdl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sparkdl.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "sparkdl", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_every_template_is_listed_printed_and_found_by_path() -> None:

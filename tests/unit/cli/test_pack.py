@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.cli.pack import PackError, check_venv
+from sparkdl._internal.cli.pack import PackError, check_venv
 
 
 def test_an_editable_sparkdl_is_refused_naming_the_checkout(tmp_path: Path) -> None:
     # The test venvs install sparkdl with pip install -e (tools/bootstrap.sh).
     out = tmp_path / "env.tar.gz"
-    done = subprocess.run([sys.executable, "-m", "sparkdl.cli", "pack", "-o", str(out)],
+    done = subprocess.run([sys.executable, "-m", "sparkdl", "pack", "-o", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "editable" in done.stderr and "install it as a wheel" in done.stderr, done.stderr

@@ -1,13 +1,13 @@
 """``sparkdl doctor``'s rows for the run and cache directories, from what the executors reported:
 a directory the user named (or the cache) that a host does not see is an error; the default run
-directory is a warning, as runs that never save work there (sparkdl.reach)."""
+directory is a warning, as runs that never save work there (sparkdl._internal.spark.reach)."""
 
 from __future__ import annotations
 
-from sparkdl.cli.checks import ERROR, OK, WARN, Report
-from sparkdl.cli.executors import _check_shared
-from sparkdl.driver.cluster import RUN_DIR_CONF
-from sparkdl.reach import Marker
+from sparkdl._internal.cli.checks import ERROR, OK, WARN, Report
+from sparkdl._internal.cli.executors import _check_shared
+from sparkdl._internal.driver.cluster import RUN_DIR_CONF
+from sparkdl._internal.spark.reach import Marker
 
 ROWS = [{"host": "w1", "address": "10.9.0.11", "unshared": {"run directory": "file:///tmp/r has no file"}},
         {"host": "w2", "address": "10.9.0.12", "unshared": {}}]

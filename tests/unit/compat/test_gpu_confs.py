@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdl.compat.gpus import TASK_GPU_CONF, GpuConfigError, tasks_of, whole_gpus
+from sparkdl._internal.compat.gpus import TASK_GPU_CONF, GpuConfigError, tasks_of, whole_gpus
 
 
 def test_processes_that_do_not_fill_whole_tasks_are_refused_naming_the_two_nearest_counts() -> None:

@@ -42,7 +42,7 @@ def photo_ds(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     return _write(tmp_path_factory.mktemp("photos"), list(photos(N, seed=4)))
 
 
-def _by_label(loader: sparkdl.data.loader.Loader) -> dict[int, torch.Tensor]:
+def _by_label(loader: sparkdl._internal.data.loader.Loader) -> dict[int, torch.Tensor]:
     out: dict[int, torch.Tensor] = {}
     for batch in loader:
         for label, img in zip(batch["label"].tolist(), batch["content"], strict=True):
@@ -157,7 +157,7 @@ def test_a_spark_image_struct_is_bgr_pixels() -> None:
     row = {"origin": "file:/x.png", "height": h, "width": w, "nChannels": 3, "mode": 16, "data": bgr.tobytes()}
     out = ImageDecoder((h, w), crop="full")(row, np.random.default_rng(0))
     assert (out[0] == 7).all() and (out[1] == 0).all() and (out[2] == 255).all()
-    with pytest.raises(sparkdl.data.images.BadImage, match="could not read"):
+    with pytest.raises(sparkdl._internal.data.images.BadImage, match="could not read"):
         SMALL({**row, "height": -1, "width": -1, "data": b""}, np.random.default_rng(0))
 
 
@@ -178,7 +178,7 @@ def test_a_bad_sample_is_named_with_its_row_file_and_path(tmp_path: Path) -> Non
     assert "on_bad_sample='skip'" in message
     with pytest.raises(DatasetError, match=r"row 20 \(row 20 of part-0.parquet, path=.*not an image Pillow can read"):
         list(ds.loader(8, shuffle=False, decode={"content": SMALL}, rank=1, world_size=2))
-    with pytest.raises(sparkdl.data.images.BadImage, match=r"empty \(0 bytes\)"):
+    with pytest.raises(sparkdl._internal.data.images.BadImage, match=r"empty \(0 bytes\)"):
         SMALL(b"", np.random.default_rng(0))
     bomb = ds.loader(8, shuffle=False, decode={"content": ImageDecoder(48, max_pixels=100_000)})
     with pytest.raises(DatasetError, match="max_pixels=100000"):

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparkdl import ConfigError, Dataset
-from sparkdl.data.loader import Loader
-from sparkdl.data.reshard import covering_ranges
+from sparkdl._internal.data.loader import Loader
+from sparkdl._internal.data.reshard import covering_ranges
 
 B = 20
 EVEN = [(700, 64), (900, 150), (800, 37)]  # 2400 rows: no padding at 2, 3 or 4 ranks for the steps used

@@ -12,9 +12,9 @@ import pytest
 from resources.hang_ranks import _stack_of, rank_1_naps_while_rank_0_all_reduces
 
 import sparkdl
-from sparkdl.driver.local import run_on_driver
-from sparkdl.driver.report import RankRecord, build_report, root_cause, trim_stack
-from sparkdl.wire.messages import DumpStacks, Exited, Stacks, decode, encode
+from sparkdl._internal.driver.local import run_on_driver
+from sparkdl._internal.driver.report import RankRecord, build_report, root_cause, trim_stack
+from sparkdl._internal.wire.messages import DumpStacks, Exited, Stacks, decode, encode
 
 
 @pytest.mark.fault

@@ -12,11 +12,11 @@ import time
 import pytest
 
 import sparkdl
-from sparkdl.driver.policy import decide
-from sparkdl.driver.report import RankRecord, build_report, root_cause
-from sparkdl.errors import InsufficientSlotsError, RunFailedError, RunTimeoutError
-from sparkdl.wire.channel import ChannelError, connect
-from sparkdl.wire.server import ChannelServer
+from sparkdl._internal.common.errors import InsufficientSlotsError, RunFailedError, RunTimeoutError
+from sparkdl._internal.driver.policy import decide
+from sparkdl._internal.driver.report import RankRecord, build_report, root_cause
+from sparkdl._internal.wire.channel import ChannelError, connect
+from sparkdl._internal.wire.server import ChannelServer
 
 
 @pytest.mark.parametrize(
@@ -145,7 +145,7 @@ def test_channel_rejects_a_replayed_frame() -> None:
     with _server(secret, received) as server:
         raw = socket.create_connection(server.address, timeout=5)
         nonce = raw.recv(16)
-        from sparkdl.wire.channel import FramedConnection
+        from sparkdl._internal.wire.channel import FramedConnection
 
         # Build one valid frame by hand, then send it twice: the second has a stale sequence number.
         helper = FramedConnection.__new__(FramedConnection)
@@ -170,8 +170,8 @@ def test_channel_server_stops_listening_when_closed() -> None:
 
 def test_the_task_payload_never_shows_the_run_secret() -> None:
     # The payload reaches tasks pickled, and may be printed in a task's traceback or a log line.
-    from sparkdl.rankspec import RunSpec
-    from sparkdl.task.entry import TaskPayload
+    from sparkdl._internal.task.entry import TaskPayload
+    from sparkdl._internal.wire.rankspec import RunSpec
 
     secret = "ab" * 32
     run = RunSpec(run_id="r", world_size=2, backend="torch", use_gpu=False, checkpoint_url="/tmp/x", config=sparkdl.RunConfig())

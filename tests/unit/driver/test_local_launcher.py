@@ -9,7 +9,7 @@ import cloudpickle
 import pytest
 
 import sparkdl
-from sparkdl.driver.local import run_on_driver
+from sparkdl._internal.driver.local import run_on_driver
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -1,4 +1,4 @@
-"""The driver's sinks of the ranks' lines (sparkdl/driver/output.py): every line whole and once in
+"""The driver's sinks of the ranks' lines (sparkdl/_internal/driver/output.py): every line whole and once in
 its rank's file and on the console, from many channel threads at once; nothing hangs or is dropped
 silently when the console or the directory fails; deduplicated, a line other ranks print alike is
 shown once with their ranks."""
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.config import RunConfig
-from sparkdl.driver.output import DEDUPE_HOLD_S, RankOutput, dedupes, file_name
-from sparkdl.errors import ConfigError
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.driver.output import DEDUPE_HOLD_S, RankOutput, dedupes, file_name
 
 
 def _consoles(monkeypatch: pytest.MonkeyPatch) -> tuple[io.StringIO, io.StringIO]:

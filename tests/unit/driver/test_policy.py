@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdl.config import RunConfig
-from sparkdl.driver.policy import AttemptView, Decision, Snapshot, after_job, judge, ready_to_judge
-from sparkdl.driver.report import RankRecord
-from sparkdl.wire.messages import RankState
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.driver.policy import (
+    AttemptView,
+    Decision,
+    Snapshot,
+    after_job,
+    judge,
+    ready_to_judge,
+)
+from sparkdl._internal.driver.report import RankRecord
+from sparkdl._internal.wire.messages import RankState
 
 CFG = RunConfig(start_timeout_s=30, outcome_wait_s=10, timeout_s=100)
 

@@ -1,4 +1,4 @@
-"""The driver's progress line from every rank's step (sparkdl/driver/progress.py): the spread, the
+"""The driver's progress line from every rank's step (sparkdl/_internal/driver/progress.py): the spread, the
 slowest rank and the stragglers; step reports feed it without becoming metrics. The line and the
 report from a real run: tests/integration/test_launch.py."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdl.config import RunConfig
-from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.progress import PROGRESS_KEY, MetricsLog, Progress
-from sparkdl.errors import ConfigError
-from sparkdl.wire.messages import Metric
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.driver.monitor import Monitor
+from sparkdl._internal.driver.progress import PROGRESS_KEY, MetricsLog, Progress
+from sparkdl._internal.wire.messages import Metric
 
 
 def test_step_reports_feed_the_spread_and_the_stragglers_but_not_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:

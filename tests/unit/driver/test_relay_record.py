@@ -1,4 +1,4 @@
-"""The relay's record without Spark (sparkdl.driver.relay): the hub's record of an attempt, signed
+"""The relay's record without Spark (sparkdl._internal.driver.relay): the hub's record of an attempt, signed
 with the run's secret, replays into the driver's monitor as if its tasks had reported live (ranks,
 states, output); a record that was tampered with, signed with another key, or of another Spark
 job is refused. Relayed runs on a real session are in tests/integration/test_relay.py.
@@ -12,10 +12,10 @@ import os
 import pytest
 from resources.relay_config import FAST
 
-from sparkdl.driver import relay
-from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.progress import MetricsLog, Progress
-from sparkdl.errors import SparkDLError
+from sparkdl._internal.common.errors import SparkDLError
+from sparkdl._internal.driver import relay
+from sparkdl._internal.driver.monitor import Monitor
+from sparkdl._internal.driver.progress import MetricsLog, Progress
 
 
 def _monitor() -> Monitor:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from resources.ftp import ftp_server
 
-from sparkdl.driver.cluster import RUN_DIR_CONF, run_dir, runs_root
-from sparkdl.private import user_root
+from sparkdl._internal.driver.cluster import RUN_DIR_CONF, run_dir, runs_root
+from sparkdl._internal.fs.private import user_root
 
 
 def test_a_remote_default_file_system_holds_the_runs_under_the_users_home(tmp_path: Path) -> None:
@@ -35,7 +35,7 @@ def test_a_default_file_system_the_driver_cannot_write_falls_back_saying_what_to
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    caplog.set_level(logging.WARNING, logger="sparkdl.driver.cluster")
+    caplog.set_level(logging.WARNING, logger="sparkdl._internal.driver.cluster")
     assert Path(runs_root({}, default_fs=f"ftp://trainer:s3cret@127.0.0.1:{port}", user="bob")) == user_root() / "runs"
     said = caplog.text
     assert "fs.defaultFS" in said and RUN_DIR_CONF in said and f"127.0.0.1:{port}/user/bob/sparkdl/runs" in said

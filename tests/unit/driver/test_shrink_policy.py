@@ -10,10 +10,17 @@ from typing import Any
 import pytest
 
 import sparkdl
-from sparkdl.config import RunConfig
-from sparkdl.driver.policy import AttemptView, Decision, Slots, Snapshot, judge, reschedule
-from sparkdl.driver.report import RankRecord
-from sparkdl.wire.messages import RankState
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.driver.policy import (
+    AttemptView,
+    Decision,
+    Slots,
+    Snapshot,
+    judge,
+    reschedule,
+)
+from sparkdl._internal.driver.report import RankRecord
+from sparkdl._internal.wire.messages import RankState
 
 
 def _waiting(slots: Slots | None, now: float = 50.0) -> Snapshot:

@@ -20,7 +20,7 @@ from conftest import REPO
 JOBS = REPO / "jobs"
 
 pytestmark = pytest.mark.both_stacks(
-    "the jobs, imported by name (tests/stack_rule.py does not follow them), parse through sparkdl.session and import pyspark"
+    "the jobs, imported by name (tests/stack_rule.py does not follow them), parse through sparkdl._internal.spark.session and import pyspark"
 )
 
 

@@ -19,9 +19,9 @@ from typing import Any
 import cloudpickle
 import psutil
 
-from sparkdl.config import RunConfig
-from sparkdl.rankspec import GangSpec, RankSpec, RunSpec
-from sparkdl.task.rankproc import RankProcess
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.task.rankproc import RankProcess
+from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, RunSpec
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

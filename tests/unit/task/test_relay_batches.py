@@ -9,9 +9,9 @@ import time
 from collections import deque
 from typing import Any
 
-from sparkdl.task.link import _LOG_PIECE_CHARS, DriverLink
-from sparkdl.task.rankproc import BATCH_S, _Relay
-from sparkdl.wire.messages import LogLine, LogLines
+from sparkdl._internal.task.link import _LOG_PIECE_CHARS, DriverLink
+from sparkdl._internal.task.rankproc import BATCH_S, _Relay
+from sparkdl._internal.wire.messages import LogLine, LogLines
 
 
 class _Calls:

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sparkdl.task.workdir import Workdir, sweep
+from sparkdl._internal.task.workdir import Workdir, sweep
 
 HOLDER = """
 import sys, time
-from sparkdl.task.workdir import Workdir
+from sparkdl._internal.task.workdir import Workdir
 own = Workdir(sys.argv[1], 0, root=sys.argv[2])
 (own.path / "payload.pkl").write_bytes(b"x" * 100)
 print(own.path, flush=True)

@@ -17,8 +17,8 @@ import pytest
 from resources import zygotes
 
 import sparkdl
-from sparkdl.private import secret_file
-from sparkdl.task.spawn import NONCE_BYTES, Zygote, ZygoteError, proof
+from sparkdl._internal.fs.private import secret_file
+from sparkdl._internal.task.spawn import NONCE_BYTES, Zygote, ZygoteError, proof
 
 # The fixture, shared with tests/integration/test_tenant.py.
 zygote = zygotes.zygote

@@ -16,8 +16,16 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from sparkdl.config import RunConfig
-from sparkdl.rankspec import GangSpec, RankSpec, RunSpec, gang_env, rank_env, read_gang, read_rank
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.wire.rankspec import (
+    GangSpec,
+    RankSpec,
+    RunSpec,
+    gang_env,
+    rank_env,
+    read_gang,
+    read_rank,
+)
 
 ROOT = REPO
 CUDA_ONLY = {

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.fault
 
 _WRITER = """
 import sys, torch
-from sparkdl.train.store import CheckpointStore
+from sparkdl._internal.train.store import CheckpointStore
 store = CheckpointStore(sys.argv[1])
 store.save({"global_step": 1, "w": torch.zeros(10)})
 print("first", flush=True)

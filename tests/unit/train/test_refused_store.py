@@ -1,4 +1,4 @@
-"""A checkpoint directory that some host of the gang does not share (sparkdl.reach): with the
+"""A checkpoint directory that some host of the gang does not share (sparkdl._internal.spark.reach): with the
 default run directory the run goes on, and every way of saving a checkpoint is refused with the
 message, before anything is written; reading works (it finds nothing)."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import sparkdl
-from sparkdl import rankspec
-from sparkdl.rank.context import context
-from sparkdl.train.store import CheckpointStore
+from sparkdl._internal.rank.context import context
+from sparkdl._internal.train.store import CheckpointStore
+from sparkdl._internal.wire import rankspec
 
 WHY = "sparkdl: this checkpoint was not saved: the checkpoint directory /x is not shared"
 

@@ -66,8 +66,8 @@ class _Loader:
 @pytest.fixture
 def one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """TrainState in this process, as rank 0 of 1 with a checkpoint directory (no collective)."""
-    import sparkdl.train.state as state_module
-    from sparkdl.rank.context import RunContext
+    import sparkdl._internal.train.state as state_module
+    from sparkdl._internal.rank.context import RunContext
 
     ckpt = tmp_path / "ckpt"
     ctx = RunContext(rank=0, world_size=1, local_rank=0, local_world_size=1, attempt=0, run_id="t",

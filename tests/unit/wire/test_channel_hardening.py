@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from conftest import REPO
 
-from sparkdl.wire.channel import (
+from sparkdl._internal.wire.channel import (
     MAX_PAYLOAD_BYTES,
     MAX_UNAUTHENTICATED_BYTES,
     NONCE_BYTES,
@@ -32,8 +32,8 @@ from sparkdl.wire.channel import (
     FramedConnection,
     connect,
 )
-from sparkdl.wire.messages import Hello, encode
-from sparkdl.wire.server import ChannelServer
+from sparkdl._internal.wire.messages import Hello, encode
+from sparkdl._internal.wire.server import ChannelServer
 
 SECRET = b"hardening-secret" * 2
 
@@ -287,7 +287,7 @@ def test_a_client_with_the_wrong_secret_is_rejected_and_never_heard(
 _SERVER_OUT_OF_FDS = textwrap.dedent(
     """
     import errno, json, os, resource, sys, time
-    from sparkdl.wire.server import ChannelServer
+    from sparkdl._internal.wire.server import ChannelServer
 
     def on_message(conn, msg):
         conn.send({"echo": msg})

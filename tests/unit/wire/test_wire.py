@@ -9,16 +9,15 @@ from typing import Any
 
 import pytest
 
-from sparkdl.config import RunConfig
-from sparkdl.driver.monitor import Monitor
-from sparkdl.driver.policy import Decision
-from sparkdl.driver.progress import MetricsLog, Progress
-from sparkdl.driver.report import RankRecord
-from sparkdl.errors import NotInRunError
-from sparkdl.rankspec import GangSpec, RankSpec, RunSpec, gang_env, rank_env, read_gang, read_rank
-from sparkdl.train.store import CheckpointStore
-from sparkdl.wire.channel import ChannelError, connect
-from sparkdl.wire.messages import (
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.common.errors import NotInRunError
+from sparkdl._internal.driver.monitor import Monitor
+from sparkdl._internal.driver.policy import Decision
+from sparkdl._internal.driver.progress import MetricsLog, Progress
+from sparkdl._internal.driver.report import RankRecord
+from sparkdl._internal.train.store import CheckpointStore
+from sparkdl._internal.wire.channel import ChannelError, connect
+from sparkdl._internal.wire.messages import (
     DumpStacks,
     Exited,
     Gang,
@@ -33,7 +32,16 @@ from sparkdl.wire.messages import (
     decode,
     encode,
 )
-from sparkdl.wire.server import ChannelServer
+from sparkdl._internal.wire.rankspec import (
+    GangSpec,
+    RankSpec,
+    RunSpec,
+    gang_env,
+    rank_env,
+    read_gang,
+    read_rank,
+)
+from sparkdl._internal.wire.server import ChannelServer
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,400 @@
+"""The loader: one rank's shard of a :class:`~sparkdl.Dataset`, as batches of torch tensors.
+
+Every epoch is planned from the manifest alone (rows per row group), so every rank knows, before
+it reads a byte, how many rows and batches it gets; the plan is the same on every rank because
+the manifest travels inside the pickled ``Dataset``. How an epoch is planned:
+
+1. The row groups of all files are put in an order: file order, or, with ``shuffle``, a
+   permutation seeded by ``(seed, epoch)``. Concatenated in that order they form the epoch's
+   stream of ``N`` rows.
+2. Rank ``r`` of ``W`` takes the ``r``-th of ``W`` equal, contiguous ranges of that stream, so
+   every rank reads about ``1/W`` of the data and nothing else.
+3. With ``shuffle``, each rank's range is cut into windows of ``shuffle_window`` rows (a multiple
+   of the batch size that spans several row groups), and the rows of each window are permuted
+   (seeded by ``(seed, epoch, rank, window)``). Batches are consecutive runs of that order.
+
+The remainder policy (``drop_last``):
+
+- ``drop_last=True``: each rank gets ``floor(N / (W * batch_size))`` full batches. The last
+  ``N mod (W * batch_size)`` rows of the epoch's stream are dropped; with ``shuffle`` they are
+  other rows every epoch.
+- ``drop_last=False`` (the default, like ``torch.utils.data.DistributedSampler``): each rank gets
+  ``ceil(N / W)`` rows; the stream wraps around to its start for the ``W * ceil(N / W) - N`` (< W)
+  rows that are missing, so those rows are seen twice. The last batch of every rank has
+  ``ceil(N / W) - (len - 1) * batch_size`` rows, the same on every rank.
+
+Either way ``len(loader)`` is the same on every rank, by construction.
+
+Resume (:meth:`Loader.state_dict`, :meth:`Loader.load_state_dict`): at the saved world size, the
+next iteration yields exactly the batches not yet yielded, in the uninterrupted run's order. At
+another world size ``W``, an epoch's start or end is planned for ``W`` as usual; mid-epoch
+(``reader="arrow"`` only), the rest of that epoch comes first: the rows the old ranks had not
+consumed (each one's rest of its own order), concatenated in old-rank order, and new rank ``r``
+takes the ``r``-th of ``W`` equal contiguous ranges of them, with the remainder policy above
+(``drop_last=False``: fewer than ``W`` rows seen twice more; ``True``: fewer than
+``W * batch_size`` dropped, and straight to the next epoch if no full batch is left). Exact: each
+row of the interrupted epoch is seen once (but for those), and all ranks take equal steps.
+Changed: the order of the rest differs from an uninterrupted run at either size; ``len(loader)``
+is the rest's steps while in it. Its state records the world sizes, so resuming again, at any
+size, stays exact (:mod:`sparkdl._internal.data.reshard`). Later epochs are planned for ``W`` as usual.
+
+Output: a ``dict`` from column name to
+
+- a 1-D tensor for numeric columns (int8/16/32/64, float16/32/64, bool);
+- a 2-D ``[batch, length]`` tensor for fixed-length numeric arrays (and ML vectors);
+- for variable-length numeric arrays, a 2-D tensor padded with zeros to the longest row of the
+  batch, plus ``"<name>_lengths"``, an int64 tensor of the true lengths (a null array is empty);
+- a list of ``bytes`` for binary columns and of ``str`` for strings (``None`` for nulls), unless
+  ``transform`` turns them into tensors.
+
+Numeric columns must not hold nulls: the loader stops with :class:`~sparkdl.DatasetError` naming
+the column.
+
+Device: tensors come out on the CPU, pinned when the device is CUDA (the loop's own
+``.to(device)`` then waits on the GPU for the step before it), or, with ``to_device=True``, on
+the device, copied on a side CUDA stream while earlier steps compute (:mod:`~sparkdl._internal.data.prefetch`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sparkdl._internal.common.errors import ConfigError, NotInRunError
+from sparkdl._internal.data.files import ParquetFiles
+from sparkdl._internal.data.petastorm_reader import check_petastorm
+from sparkdl._internal.data.plan import EpochPlan
+from sparkdl._internal.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
+from sparkdl._internal.data.read import LENGTHS_SUFFIX, Batch, BatchMaker
+from sparkdl._internal.data.reshard import STATE_VERSION, Resume, epoch_batches, restore
+from sparkdl._internal.data.samples import SampleFn, SampleMap, check_decode, default_workers
+from sparkdl._internal.data.selection import place, select_columns
+from sparkdl._internal.data.spares import Spares
+
+
+class Loader:
+    """An iterable over one rank's batches of one epoch at a time; made by :meth:`Dataset.loader`.
+
+    Iterating plays the current epoch from the current position. When an iteration runs to its
+    end, the loader moves to the next epoch, position 0, so plain repeated ``for`` loops see
+    epoch after epoch; with ``prefetch``, the background thread is then preparing that epoch's
+    first batches already, so the next loop does not wait for its first window.
+    ``set_epoch(e)`` moves to epoch ``e`` (position 0) unless the loader is already in epoch
+    ``e``: then it keeps its position, so that a position restored with :meth:`load_state_dict`
+    survives the usual ``set_epoch`` call at the top of an epoch loop.
+
+    Shuffle: see the module docstring. The default ``shuffle_window`` is 4 times the rows of the
+    largest row group, at most 128 MiB of uncompressed data, and at least one batch. A window is
+    then rounded to a multiple of ``batch_size`` and evened out so that the rank's share is cut
+    into windows of equal size (``loader.shuffle_window`` tells the result). Memory held is about
+    two windows (the one being served and the one being read ahead; their arrays are reused for
+    the next windows and epochs, and kept between epochs until :meth:`close`) plus one row group
+    per decode thread (``read_threads``) and ``prefetch`` batches (on the device, with ``to_device``). Without shuffle, about two row
+    groups' worth is held.
+
+    Resume: :meth:`state_dict` records the epoch and the batches yielded in it, the same on every
+    rank, so rank 0's state restores every rank, at this world size or another (module docstring).
+
+    With ``reader="petastorm"``, batches come from Petastorm's ``make_batch_reader`` with
+    ``cur_shard=rank, shard_count=world_size`` and are cut to ``batch_size``; the loader stops
+    every rank after ``len(loader)`` batches (computed from the manifest as above), reading its
+    shard again from its start if it runs short. That keeps the equal-steps guarantee and the
+    output format, but not exact coverage: Petastorm shards by row groups, which may hold
+    unequal rows. Resume skips the batches already yielded, which repeats the same batches only
+    when Petastorm's own order is deterministic (``petastorm_workers=1``). A plain Parquet list
+    column (its lengths not known up front) is read when each row group's rows have one length,
+    learnt as batches arrive; a row group of unequal lengths raises
+    :class:`~sparkdl.DatasetError` naming the column and the row group.
+
+    The arguments are those of :meth:`Dataset.loader`; ``dataset`` may be any
+    :class:`~sparkdl._internal.data.files.ParquetFiles`, of which ``Dataset`` is one.
+    """
+
+    def __init__(
+        self,
+        dataset: ParquetFiles,
+        batch_size: int,
+        *,
+        epoch: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        columns: Sequence[str] | None = None,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        reader: str = "arrow",
+        transform: Callable[[Batch], Batch] | None = None,
+        prefetch: int = 4,
+        shuffle_window: int | None = None,
+        device: Any = None,
+        pin_memory: bool | None = None,
+        petastorm_workers: int = 2,
+        to_device: bool = False,
+        decode: Mapping[str, SampleFn] | None = None,
+        decode_workers: int | None = None,
+        decode_in: str = "threads",
+        on_bad_sample: str = "raise",
+        read_threads: int | None = None,
+    ) -> None:
+        _check_int("batch_size", batch_size, 1)
+        _check_int("epoch", epoch, 0)
+        _check_int("seed", seed, 0)
+        _check_int("prefetch", prefetch, 0)
+        _check_int("petastorm_workers", petastorm_workers, 1)
+        for name, value in (("shuffle_window", shuffle_window), ("read_threads", read_threads)):
+            if value is not None:
+                _check_int(name, value, 1)
+        if reader not in ("arrow", "petastorm"):
+            raise ConfigError(f"reader={reader!r}: choose 'arrow' (sparkdl's reader) or 'petastorm'")
+        if transform is not None and not callable(transform):
+            raise ConfigError(f"transform must be callable (batch dict -> batch dict); got {type(transform).__name__}")
+        fns = check_decode(decode, decode_workers, decode_in, on_bad_sample)
+        if fns and reader != "arrow":
+            raise ConfigError(
+                f"decode={{{', '.join(map(repr, fns))}: ...}} needs reader='arrow' (each sample's randomness "
+                "comes from its row in the dataset, which Petastorm's reader does not tell)"
+            )
+        rank, world_size = _resolve_rank(rank, world_size)
+        selected = select_columns(dataset.manifest, columns, set(fns))
+        batched = [getattr(f, "device", None) for f in fns.values() if getattr(f, "batched", False)]
+        if device is None and batched:
+            device = batched[0]  # batches decoded on a device are for that device
+        target, pin = device_and_pin(device, pin_memory, to_device, _run_device)
+        self._plan = EpochPlan(
+            dataset.manifest,
+            dataset.url,
+            batch_size,
+            shuffle=bool(shuffle),
+            seed=seed,
+            drop_last=bool(drop_last),
+            rank=rank,
+            world_size=world_size,
+            shuffle_window=shuffle_window,
+        )
+        if reader == "petastorm":
+            check_petastorm(self._plan, selected, lengths_known=dataset.manifest.written_by_sparkdl)
+        self._files = dataset
+        self._spares = Spares()  # shuffle windows' arrays, reused from window to window and epoch to epoch
+        self._reader = reader
+        # What the reader thread needs, and nothing that refers back to this loader, so that
+        # dropping the loader stops its thread.
+        self._samples = SampleMap(
+            fns, seed=seed, workers=decode_workers or default_workers(), worker_kind=decode_in,
+            on_bad_sample=on_bad_sample, where=functools.partial(place, dataset.manifest),
+        ) if fns else None
+        threads = read_threads or min(4, max(1, default_workers() // 4))
+        self._reading = (dataset, self._plan, BatchMaker(selected, pin, transform, self._samples, threads),
+                         self._spares, reader, petastorm_workers, prefetch > 0)
+        self._resume: Resume | None = None  # the rest of a resharded epoch, while in it
+        self._source = functools.partial(epoch_batches, *self._reading, None)
+        self._prefetch = prefetch
+        self._copy = DeviceCopy(target) if to_device else None
+        self._epoch = epoch
+        self._step = 0
+        self._active: Iteration | None = None
+        self._pump: Pump | None = None
+        self._pump_at: tuple[int, int] | None = None  # its position, once a pass played an epoch to its end
+
+    # -- what the plan gives ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches of the current epoch (of its rest, in a resharded one); the same on every rank."""
+        return self._resume.steps if self._resume is not None else self._plan.steps
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration plays."""
+        return self._epoch
+
+    @property
+    def step(self) -> int:
+        """Batches of the current epoch already yielded."""
+        return self._step
+
+    @property
+    def rank(self) -> int:
+        """This rank, 0 .. world_size - 1."""
+        return self._plan.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks sharing the dataset."""
+        return self._plan.world_size
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per batch (the last batch of an epoch may have fewer, with ``drop_last=False``)."""
+        return self._plan.batch_size
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows each rank sees per epoch (repeats included, dropped rows excluded)."""
+        return self._plan.per_rank
+
+    @property
+    def skipped(self) -> int:
+        """Bad samples left out so far (``on_bad_sample="skip"``), all epochs together."""
+        return self._samples.skipped.count if self._samples is not None else 0
+
+    @property
+    def shuffle_window(self) -> int:
+        """Rows shuffled together (also the unit of reading)."""
+        return self._plan.window
+
+    def plan(self, epoch: int) -> list[tuple[int, int, int, int]]:
+        """This rank's share of ``epoch`` as ``(file index, row group, start, stop)`` pieces.
+
+        The pieces are in stream order, before the shuffle window permutes rows among them.
+        """
+        return self._plan.pieces_of_share(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Moves to ``epoch`` at position 0, unless the loader is already in ``epoch``."""
+        _check_int("epoch", epoch, 0)
+        if epoch != self._epoch:
+            self._close_active()
+            self._stop_pump()
+            self._epoch, self._step = epoch, 0
+            self._set_resume(None)
+
+    # -- resume ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: plain values, picklable and JSON-able; the same on every rank. ``reshards``
+        lists the earlier world sizes (and steps) of an epoch resumed at another one, else ``[]``."""
+        p = self._plan
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "step": self._step,
+            "steps_per_epoch": len(self),
+            "batch_size": p.batch_size,
+            "world_size": p.world_size,
+            "drop_last": p.drop_last,
+            "shuffle": p.shuffle,
+            "seed": p.seed,
+            "shuffle_window": p.window,
+            "requested_shuffle_window": p.requested_window,
+            "reader": self._reader,
+            "dataset": self._files.manifest.fingerprint(),
+            "reshards": self._resume.state() if self._resume is not None else [],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a position from :meth:`state_dict`; the next iteration resumes there.
+
+        The state may come from another world size (see the module docstring).
+
+        Raises:
+            ConfigError: the state was taken with other settings (batch size, shuffle, seed,
+                window, reader) or on another dataset layout, or mid-epoch at another world
+                size with ``reader="petastorm"``.
+        """
+        at = restore(state, self.state_dict(), self._plan)
+        self._close_active()
+        self._stop_pump()
+        self._epoch, self._step = at.epoch, at.step
+        self._set_resume(at.resume)
+
+    def _set_resume(self, resume: Resume | None) -> None:
+        self._resume, self._source = resume, functools.partial(epoch_batches, *self._reading, resume)
+
+    # -- iteration -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the background reader (after ``break``, or after the last epoch, which leaves it
+        preparing the next epoch until the loader is dropped or iterated again). The position is
+        kept; iterating again resumes from it. The memory kept for shuffle windows is let go too."""
+        self._close_active()
+        self._stop_pump()
+        self._spares.clear()
+        if self._samples is not None:
+            self._samples.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._close_active()
+        if self._samples is not None:
+            self._samples.ready()
+        at = (self._epoch, self._step)
+        # After a pass that ran to its end, its pump is under way with this epoch already.
+        if self._prefetch and (self._pump is None or self._pump_at != at):
+            self._stop_pump()
+            self._pump = Pump(self._source, *at, self._prefetch, self._copy)
+        self._pump_at = None
+        source: Pump | Iterator[Batch] = self._pump if self._prefetch and self._pump else self._source(*at)
+        self._active = Iteration(source, on_batch=self._consumed, on_end=self._finished, copy=self._copy)
+        return self._active
+
+    def _stop_pump(self) -> None:
+        if self._pump is not None:
+            self._pump.close()
+            self._pump, self._pump_at = None, None
+
+    def _close_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def _consumed(self, it: Iteration) -> None:
+        if self._active is it:
+            self._step += 1
+
+    def _finished(self, it: Iteration) -> None:
+        if self._active is it:
+            self._epoch += 1
+            self._step = 0
+            self._active = None
+            self._pump_at = (self._epoch, 0)
+            self._set_resume(None)  # the pump, under way with the next epoch, reads it as planned
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigError(f"{name}={value!r}: give an integer >= {minimum}")
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if (rank is None) != (world_size is None):
+        raise ConfigError(
+            f"pass both rank and world_size, or neither (got rank={rank!r}, world_size={world_size!r}); "
+            "without them they come from sparkdl.context() or torch.distributed"
+        )
+    if rank is None or world_size is None:
+        from sparkdl._internal.rank.context import context
+
+        try:
+            ctx = context()
+            return ctx.rank, ctx.world_size
+        except NotInRunError:
+            pass
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    _check_int("world_size", world_size, 1)
+    _check_int("rank", rank, 0)
+    if rank >= world_size:
+        raise ConfigError(f"rank={rank} must be below world_size={world_size}")
+    return int(rank), int(world_size)
+
+
+def _run_device() -> Any:
+    from sparkdl._internal.rank.context import context
+
+    try:
+        return context().device
+    except NotInRunError:
+        return "cpu"
+
+
+__all__ = ["LENGTHS_SUFFIX", "Batch", "Loader"]

@@ -1,0 +1,268 @@
+"""Ranks as processes on the driver alone, without Spark tasks: for development and notebooks.
+
+This backs ``HorovodRunner(np=-N)`` and ``TorchDistributor(local_mode=True)``. Each rank is the
+same rank process as on a cluster, started the same way (:class:`~sparkdl._internal.task.rankproc.RankProcess`),
+with the same environment, lifeline, output relay, metrics and clean-up, and watched by the same
+monitor and failure policy, so code that runs here runs on the cluster too. There is no gang
+rerun on the driver: a failure ends the run with the same report as ``sparkdl.run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sparkdl._internal.backends import check_driver
+from sparkdl._internal.backends.tfdist import reserve_port, tf_config
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.common.errors import ConfigError, RunFailedError, RunTimeoutError
+from sparkdl._internal.common.validate import int_at_least
+from sparkdl._internal.driver import policy
+from sparkdl._internal.driver.launcher import Job, Launcher, pickle_payload
+from sparkdl._internal.driver.monitor import Monitor
+from sparkdl._internal.driver.output import RankOutput, dedupes
+from sparkdl._internal.driver.progress import MetricsLog, Progress
+from sparkdl._internal.driver.report import build_report
+from sparkdl._internal.fs.private import user_dir
+from sparkdl._internal.horovod.mpi import Endpoint, Mpirun, join_local
+from sparkdl._internal.task.rankproc import RankProcess
+from sparkdl._internal.task.spawn import read_error
+from sparkdl._internal.wire.messages import (
+    Exited,
+    Gang,
+    Hello,
+    LogLine,
+    Metric,
+    RankState,
+    Stacks,
+    Started,
+)
+from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, RunSpec
+
+_HOST = "127.0.0.1"
+# After the first failure, the other ranks get this long to record their own outcome.
+_SETTLE_S = 0.5
+
+
+class _MonitorSink:
+    """A rank's output straight into the driver's monitor (no channel on the driver)."""
+
+    def __init__(self, monitor: Monitor, rank: int) -> None:
+        self._monitor = monitor
+        self._rank = rank
+
+    def line(self, stream: str, text: str) -> bool:
+        self._monitor.log(0, self._rank, LogLine(stream, text))
+        return True
+
+    def lines(self, stream: str, texts: list[str]) -> bool:
+        for text in texts:
+            self._monitor.log(0, self._rank, LogLine(stream, text))
+        return True
+
+    def metric(self, record: dict[str, Any]) -> bool:
+        self._monitor.metric(0, self._rank, Metric(record))
+        return True
+
+
+class LocalLauncher(Launcher):
+    """``world_size`` rank processes on this machine; ``gpu_ids``: one per rank, or None for CPU."""
+
+    def __init__(self, gpu_ids: list[str] | None) -> None:
+        self.gpu_ids = gpu_ids
+
+    def launch(self, job: Job, monitor: Monitor) -> bytes:
+        run = job.run
+        cfg = run.config
+        root = Path(tempfile.mkdtemp(prefix=f"sparkdl-local-{run.run_id}-"))
+        listener = socket.create_server((_HOST, 0), backlog=1024)
+        hosts = [_HOST] * run.world_size
+        procs: list[RankProcess] = []
+        gangs: list[GangSpec] = []
+        mpi: list[Endpoint] = []
+        mpirun: Mpirun | None = None
+        reserved: list[socket.socket] = []  # the TensorFlow ranks' ports
+        finished = False
+        try:
+            for rank in range(run.world_size):
+                workdir = root / f"rank-{rank}"
+                workdir.mkdir()
+                gpus = [self.gpu_ids[rank]] if self.gpu_ids is not None else []
+                spec = RankSpec.of(run, rank=rank, host=_HOST, gpu_ids=gpus, task_pid=os.getpid())
+                # The gang is known before the rank starts: it joins at once, as attempt 0.
+                monitor.hello(("local", rank), Hello(_HOST, os.getpid(), rank))
+                monitor.join(("local", rank), rank, Gang(tuple(range(run.world_size))))
+                proc = RankProcess(
+                    spec, workdir, job.fn_bytes, _MonitorSink(monitor, rank),
+                    store=listener if rank == 0 else None, prewarm=False,
+                    start_timeout_s=cfg.connect_timeout_s, tail_lines=cfg.log_tail_lines,
+                )
+                procs.append(proc)
+                gangs.append(GangSpec.form(spec, attempt=0, hosts=hosts, master_port=listener.getsockname()[1]))
+            job_envs: list[dict[str, str] | None] = [None] * run.world_size
+            if run.backend == "tensorflow":
+                ports = [reserve_port(_HOST) for _ in range(run.world_size)]
+                reserved.extend(ports)
+                endpoints = [(_HOST, sock.getsockname()[1]) for sock in ports]
+                job_envs = [tf_config(endpoints, r) for r in range(run.world_size)]
+            if run.backend == "horovod" and cfg.horovod_controller == "mpi":
+                # One Open MPI job of the local ranks (sparkdl._internal.horovod.mpi), formed before they are told the gang.
+                secret = secrets.token_bytes(32)
+                mpi = [Endpoint(_HOST, secret, r, root / f"rank-{r}", handshake_timeout_s=cfg.handshake_timeout_s)
+                       for r in range(run.world_size)]
+                envs, mpirun = join_local(mpi, _HOST, root, secret, cfg.connect_timeout_s,
+                                          lambda line: monitor.log(0, 0, LogLine("e", line)))
+                job_envs = list(envs)
+            for proc, gang, job_env in zip(procs, gangs, job_envs, strict=True):
+                proc.tell_gang(gang, job_env)
+                monitor.rank_event(0, proc.spec.rank, Started(proc.pid))
+                monitor.stack_source(0, proc.spec.rank, functools.partial(_ask_stacks, proc, monitor))
+                if mpi:
+                    mpi[proc.spec.rank].watch(functools.partial(_end, proc))
+            listener.close()
+            value = _wait(procs, monitor, cfg, root, mpi)
+            finished = True
+            return value
+        finally:
+            for endpoint in mpi:
+                endpoint.ended(0 if finished else -9)
+            if mpirun is not None:
+                if finished:
+                    mpirun.wait(cfg.collective_timeout_s)  # every rank's MPI part has ended by then
+                mpirun.close()
+            for endpoint in mpi:
+                endpoint.close()
+            for proc in procs:
+                proc.close()
+            for sock in (listener, *reserved):
+                sock.close()
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _end(proc: RankProcess, why: str) -> None:
+    proc.kill()  # Open MPI ended the job under this rank: its Endpoint says why
+
+
+def _watch(proc: RankProcess, monitor: Monitor, mpi: Endpoint | None) -> None:
+    code = proc.wait()
+    if code != 0 and monitor.stopping is not None:
+        return  # stopped by the driver after another rank failed: it stays "stopped while running"
+    ended = time.time()
+    error, tb, at = read_error(proc.workdir) if code != 0 else (None, None, None)
+    if mpi is not None:
+        error = error or mpi.lost
+    exit_signal = -code if code < 0 else None
+    # Reported at exit, not when the loop notices: the root cause is the first rank to exit.
+    monitor.rank_event(0, proc.spec.rank, Exited(None if exit_signal else code, exit_signal, error, tb,
+                                                 (at or ended) if code != 0 else None))
+    if mpi is not None and code != 0:
+        mpi.ended(code)  # once its failure is recorded: Open MPI then ends the job
+
+
+def _ask_stacks(proc: RankProcess, monitor: Monitor) -> bool:
+    """The driver-local side of a stacks request: the rank is signalled from a thread of its own."""
+
+    def dump() -> None:
+        monitor.stacks(0, proc.spec.rank, Stacks(proc.pid, proc.dump_stacks()))
+
+    threading.Thread(target=dump, name="sparkdl-stacks", daemon=True).start()
+    return True
+
+
+def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path, mpi: list[Endpoint]) -> bytes:
+    watchers = [threading.Thread(target=_watch, args=(p, monitor, mpi[i] if mpi else None), daemon=True)
+                for i, p in enumerate(procs)]
+    for t in watchers:
+        t.start()
+    started = time.monotonic()
+    verdict: policy.Verdict | None = None
+    with monitor.cond:
+        while not all(r.state is RankState.SUCCEEDED for r in monitor.records.values()):
+            verdict = monitor.check(started)
+            if verdict.decision is policy.Decision.STOP:
+                break
+            monitor.cond.wait(timeout=0.25)
+    if verdict is None or verdict.decision is not policy.Decision.STOP:
+        for t in watchers:
+            t.join(timeout=10)
+        return (root / "rank-0" / "result.pkl").read_bytes()
+    # One rank down means the others would wait on it: stop them, then report.
+    time.sleep(_SETTLE_S)
+    monitor.stopping = verdict.reason
+    monitor.collect_stacks()  # where the ranks still running are, for the report
+    for proc in procs:
+        proc.kill()
+    for t in watchers:
+        t.join(timeout=10)
+    records = monitor.sorted_records()
+    if verdict.timed_out:
+        why = f"the run on the driver took longer than timeout_s={cfg.timeout_s:g} s (RunConfig.timeout_s)"
+        report, _ = build_report(records, headline=f"sparkdl stopped: {why}.", hint="Raise timeout_s if the run needs longer.")
+        raise RunTimeoutError(report, attempts=1, root_cause=why)
+    report, root_line = build_report(
+        records,
+        headline=f"the run on the driver failed ({len(procs)} local processes; no reruns on the driver).",
+        hint="Fix the root cause above; on a cluster, sparkdl.run reruns failed gangs.",
+    )
+    raise RunFailedError(report, attempts=1, root_cause=root_line)
+
+
+def run_on_driver(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    num_processes: int,
+    backend: str = "torch",
+    gpu_ids: list[str] | None = None,
+    config: RunConfig | None = None,
+) -> Any:
+    """Runs ``fn`` on ``num_processes`` local rank processes; returns rank 0's return value.
+
+    ``gpu_ids``: the driver's GPU addresses to hand out, one per rank, or None for CPU.
+    Checkpoints go to ``<temp dir>/sparkdl-<uid>/runs/<run id>/checkpoints``, under this user's
+    private directory (a ConfigError before any process starts when that is not private). The
+    ranks' output files (``.../<run id>/logs``) stay only when the console did not show every line.
+    """
+    # On the driver every rank has one GPU of its own: there are no tasks to share theirs.
+    cfg = (config or RunConfig()).replace(processes_per_task=1)
+    int_at_least("the number of processes", num_processes, 1)
+    if gpu_ids is not None and len(gpu_ids) < num_processes:
+        raise ConfigError(
+            f"{num_processes} processes need {num_processes} GPUs on the driver, but "
+            f"spark.driver.resource.gpu lists {len(gpu_ids)} ({gpu_ids}); lower the number of processes"
+        )
+    check_driver(backend, cfg)
+    fn_bytes = pickle_payload(fn, args, kwargs)
+    run_id = secrets.token_hex(6)
+    run = RunSpec(
+        run_id=run_id, world_size=num_processes, backend=backend, use_gpu=gpu_ids is not None,
+        # No Spark conf is read here: the temp dir (TMPDIR) is what moves the default.
+        checkpoint_url=str(user_dir("runs", setting="TMPDIR") / run_id / "checkpoints"), config=cfg,
+    )
+    progress = Progress(cfg.progress_interval_s, cfg.progress, cfg.straggler_factor)
+    logs = user_dir("runs", setting="TMPDIR") / run_id / "logs"
+    output = RankOutput(logs, echo=cfg.echo_logs, dedupe=dedupes(cfg.console, num_processes), world_size=num_processes)
+    monitor = Monitor(num_processes, 1, cfg, None, MetricsLog(None), progress, output=output)
+    try:
+        return LocalLauncher(gpu_ids).run(Job(run, fn_bytes, max_attempts=1), monitor)
+    finally:
+        progress.finish()
+        undelivered = output.close(cfg.log_flush_timeout_s)
+        output.say(undelivered, cfg.log_flush_timeout_s)
+        if not undelivered.console:
+            # Nobody is handed this run's directory (the caller gets rank 0's value): the files
+            # stay only when they hold lines the console did not show, as the warning says.
+            shutil.rmtree(logs, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                logs.parent.rmdir()

@@ -1,0 +1,1 @@
+"""The Spark adapter: classic and Spark Connect sessions behind one interface, the sessions commands create, every ``spark.sparkdl.*`` conf, and the check that a directory is shared by driver and executors."""

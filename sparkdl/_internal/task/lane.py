@@ -1,0 +1,266 @@
+"""One rank of a Spark task, from its start to its end: a task runs one lane per rank it holds
+(``RunConfig.processes_per_task``, one by default).
+
+A lane has what a rank needs of its own: its channel to the driver, its working directory, its
+process (:class:`~sparkdl._internal.task.rankproc.RankProcess`) with its output relays and lifeline, the
+TCPStore's listener on rank 0, its part of an MPI job. :meth:`Lane.start` starts the rank while
+the gang forms; :meth:`Lane.member` is what the lane tells the gang; :meth:`Lane.run` joins the
+gang, tells the rank where it is, answers the driver's requests and waits for the rank's end;
+:meth:`Lane.stop` and :meth:`Lane.release` end and free everything it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparkdl._internal.backends.tfdist import reserve_port, tf_config
+from sparkdl._internal.horovod.mpi import Endpoint, Mpirun, join_job
+from sparkdl._internal.spark.reach import not_shared
+from sparkdl._internal.task.link import DriverLink, reach_driver
+from sparkdl._internal.task.payload import TaskPayload
+from sparkdl._internal.task.rankproc import STACK_DUMP_S, RankProcess
+from sparkdl._internal.task.spawn import read_error
+from sparkdl._internal.task.workdir import Workdir
+from sparkdl._internal.wire.channel import ChannelError, FramedConnection, connect
+from sparkdl._internal.wire.messages import (
+    DumpStacks,
+    Exited,
+    Gang,
+    GoAhead,
+    Hello,
+    Stacks,
+    Started,
+    Stop,
+)
+from sparkdl._internal.wire.rankspec import GangSpec, RankSpec
+
+
+class RankFailed(RuntimeError):
+    """Raised in a Spark task whose rank process failed; it fails the task, and Spark reruns the gang."""
+
+
+@dataclass
+class Orders:
+    """What the driver (or the relay hub, or the task) told a running rank's lane."""
+
+    lost: threading.Event = field(default_factory=threading.Event)  # the driver closed the channel
+    stop: str | None = None  # the attempt is over for this rank: the hub's Stop, or a failed sibling
+
+
+class Lane:
+    """One rank of a task; see the module's description."""
+
+    def __init__(self, payload: TaskPayload, secret: bytes, spec: RankSpec, tid: int) -> None:
+        self.payload = payload
+        self.secret = secret
+        self.spec = spec
+        self.rank = spec.rank
+        self.tid = tid
+        self.told = Orders()
+        self.code: int | None = None
+        self.conn: FramedConnection | None = None
+        self.link = DriverLink(None, spec.rank)
+        self.own = Workdir(spec.run_id, spec.rank)  # swept by a later task if this one is killed
+        self.workdir: Path = self.own.path
+        self.listener: socket.socket | None = None
+        self.proc: RankProcess | None = None
+        # Horovod's MPI controller: this rank's part of the gang's MPI job (sparkdl._internal.horovod.mpi).
+        self.mpi: Endpoint | None = None
+        self.mpirun: Mpirun | None = None
+        # backend="tensorflow": the port of this rank's TensorFlow server, held until the rank ends.
+        self.tf_port: socket.socket | None = None
+        self._orders: threading.Thread | None = None
+        self._hello: Hello | None = None
+        self._unshared: str | None = None
+        self._strict = False
+
+    def start(self) -> None:
+        """Reaches the driver and starts the rank process while the gang forms; checks in."""
+        payload, run, host = self.payload, self.payload.run, self.spec.host
+        self.conn = reach_driver(payload, self.secret)
+        if self.conn is not None:
+            self.link.attach(self.conn)
+        if self.rank == 0:
+            self.listener = socket.create_server((host, 0), backlog=1024)
+        # Importing torch is the longest step of a launch on a warm executor: the rank is forked
+        # from a zygote that did it already.
+        self.proc = RankProcess(
+            self.spec, self.workdir, payload.fn_bytes, self.link, store=self.listener, prewarm=run.config.prewarm,
+            start_timeout_s=run.config.connect_timeout_s, tail_lines=run.config.log_tail_lines,
+            fallback_out=sys.stdout, fallback_err=sys.stderr,
+        )
+        if run.backend == "tensorflow":
+            self.tf_port = reserve_port(host)
+        if run.backend == "horovod" and run.config.horovod_controller == "mpi":
+            self.mpi = Endpoint(host, self.secret, self.rank, self.workdir,
+                                handshake_timeout_s=run.config.handshake_timeout_s)
+        self._unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
+        # A directory the user named stops the run here; the default one only its first save.
+        self._strict = payload.checkpoints is not None and payload.checkpoints.strict
+        self._hello = Hello(host, os.getpid(), self.tid, self._unshared if self._strict else None)
+        if self.conn is not None:
+            self.link.send(self._hello)
+            self._refuse_unshared()
+
+    def member(self, hub_port: int | None) -> dict[str, Any]:
+        """What the rest of the gang learns of this rank (through ``allGather``)."""
+        port = self.listener.getsockname()[1] if self.listener else None
+        return {"host": self.spec.host, "port": port, "tid": self.tid, "direct": self.conn is not None,
+                "hub": hub_port, "mpi": self.mpi.port if self.mpi else None, "unshared": self._unshared,
+                "tf": self.tf_port.getsockname()[1] if self.tf_port else None}
+
+    def _refuse_unshared(self) -> None:
+        if self._unshared is not None and self._strict:
+            raise RankFailed(f"sparkdl rank {self.rank} on {self.spec.host}: the checkpoint directory is not "
+                             f"shared: {self._unshared}")
+
+    def run(self, members: list[dict[str, Any]], relayed: bool) -> None:
+        """Joins the gang of ``members`` (one a rank), runs the rank and waits for its end;
+        RankFailed when it failed (or was refused)."""
+        proc, run, cfg = self.proc, self.payload.run, self.payload.run.config
+        assert proc is not None
+        if relayed:
+            # Some task cannot reach the driver: the whole gang reports to the hub in task 0.
+            if self.conn is not None:
+                self.conn.close()
+            self.conn = connect((members[0]["host"], members[0]["hub"]), self.secret, cfg.connect_timeout_s)
+            self.link.attach(self.conn)
+            assert self._hello is not None
+            self.link.send(self._hello)
+            self._refuse_unshared()
+        conn, link, rank, host = self.conn, self.link, self.rank, self.spec.host
+        assert conn is not None
+        # PySpark tasks cannot see their stage attempt number; the driver numbers attempts by the
+        # task ids that formed each gang (one a rank), which every rank of a gang reports identically.
+        link.send(Gang(tuple(sorted(m["tid"] for m in members))))
+        reply = GoAhead.decode(conn.recv(timeout=cfg.connect_timeout_s))
+        if not reply.go or reply.attempt is None:
+            raise RankFailed(f"sparkdl driver stopped rank {rank}: {reply.reason}")
+        attempt = link.attempt = reply.attempt
+        job_env = tf_config([(m["host"], m["tf"]) for m in members], rank) if self.tf_port else None
+        if self.mpi is not None:
+            job_env, self.mpirun = _join_mpi(self.mpi, members, self.spec, self.workdir, self.secret, link,
+                                             cfg.connect_timeout_s)
+        proc.tell_gang(GangSpec.form(self.spec, attempt=attempt, hosts=[m["host"] for m in members],
+                                     master_port=members[0]["port"],
+                                     checkpoints_refused=refused(run.checkpoint_url, members)), job_env)
+        if self.listener is not None:
+            # Only the rank 0 process holds the store's socket from here on.
+            self.listener.close()
+            self.listener = None
+        self._orders = _answer_driver(conn, link, proc, cfg.connect_timeout_s, self.told)
+        if self.mpi is not None:
+            self.mpi.watch(lambda why: proc.kill())
+        link.send(Started(proc.pid))
+        code = self.code = proc.wait()
+        if self.told.stop is not None:
+            return  # the hub ended this rank (the attempt failed elsewhere, or a bound passed), or the task did
+        if self.told.lost.is_set() and code != 0:
+            # The driver ended (a Spark Connect client that disconnected): nobody waits for this run.
+            raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} was stopped: the driver "
+                             "closed its channel (the driver program or Spark Connect client ended)")
+        if code != 0:
+            ended = time.time()
+            error, tb, failed_at = read_error(self.workdir)
+            error = error or (self.mpi.lost if self.mpi is not None else None)
+            exit_signal = -code if code < 0 else None
+            link.send(Exited(None if exit_signal else code, exit_signal, error, tb, failed_at or ended))
+            how = f"was killed by signal {exit_signal}" if exit_signal else f"exited with code {code}"
+            detail = f": {error}" if error else ""
+            last = "\n".join(proc.tail)
+            raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} {how}{detail}\n{last}")
+        link.send(Exited(0, None))
+
+    def end(self, why: str) -> None:
+        """Ends the rank without a report of its own: ``why`` (a rank of its task failed)."""
+        self.told.stop = why
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self, collective_timeout_s: float) -> None:
+        """Ends the rank process and the rank's part of an MPI job."""
+        if self.mpi is not None:
+            # After the rank's Exited went out: the job may end the other ranks from here on.
+            self.mpi.ended(self.code if self.code is not None else -9)
+            if self.code == 0:
+                # The job ends once every rank's process has; ending this part first would end the
+                # job under ranks still running. A peer is waited for as long as in a collective.
+                (self.mpirun.wait if self.mpirun is not None else self.mpi.wait_daemon)(collective_timeout_s)
+            if self.mpirun is not None:
+                self.mpirun.close()
+            self.mpi.close()
+        if self.proc is not None:
+            self.proc.close()
+
+    def release(self) -> None:
+        """Frees the rest: the listeners and reserved port, the channel, the thread that read it, the workdir."""
+        for sock in (self.listener, self.tf_port):
+            if sock is not None:
+                sock.close()
+        if self.conn is not None:
+            self.conn.close()
+        if self._orders is not None:
+            self._orders.join(timeout=STACK_DUMP_S + 0.5)  # closing the connection woke it
+        self.own.remove()
+
+
+def refused(url: str, members: list[dict[str, Any]]) -> str | None:
+    """Why no rank of this gang may save a checkpoint (the first one not seeing the marker), or None."""
+    for rank, member in enumerate(members):
+        if found := member.get("unshared"):
+            return not_shared(url, rank, str(member["host"]), str(found), outcome="sparkdl: this checkpoint was not saved")
+    return None
+
+
+def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, timeout_s: float,
+                   told: Orders) -> threading.Thread:
+    """Reads the driver's requests once the rank runs (:class:`DumpStacks`: reply with the rank's
+    stacks; the relay hub's :class:`Stop`: end the rank) until the connection closes. Its replies
+    go through ``link``, whose lock orders them with the relays' sends; the socket's timeout stays
+    the one ``recv`` of GoAhead set. When the driver closes the connection while the rank runs,
+    the driver is gone (a Spark Connect client ends without the server): ``told.lost`` is set and
+    the rank killed, which ends the task."""
+
+    def serve() -> None:
+        while True:
+            try:
+                if not conn.readable(0.5):
+                    continue
+                frame = conn.recv(timeout=timeout_s)
+            except (ValueError, ChannelError):
+                return
+            except OSError:
+                frame = None
+            if frame is None:
+                if proc.running():
+                    told.lost.set()
+                    proc.kill()
+                return
+            if DumpStacks.asked(frame):
+                link.send(Stacks(proc.pid, proc.dump_stacks()))
+            elif Stop.asked(frame):
+                told.stop = str(frame.get("reason", ""))
+                proc.kill()
+
+    thread = threading.Thread(target=serve, name=f"sparkdl-driver-requests-{link.rank}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _join_mpi(mpi: Endpoint, members: list[dict[str, Any]], spec: RankSpec, workdir: Path, secret: bytes,
+              link: DriverLink, timeout_s: float) -> tuple[dict[str, str], Mpirun | None]:
+    """This rank's place in the gang's MPI job (rank 0 starts mpirun); a rank that cannot join
+    reports why (with what mpirun said) as its failure."""
+    nodes = [(m["host"], m["mpi"]) for m in members]
+    try:
+        return join_job(mpi, spec.rank, nodes, workdir, secret, spec.host, timeout_s, lambda line: link.line("e", line))
+    except (RuntimeError, TimeoutError) as exc:
+        link.send(Exited(1, None, str(exc), None, time.time()))
+        raise RankFailed(f"sparkdl rank {spec.rank} on {spec.host} did not join the MPI job: {exc}") from exc

@@ -1,0 +1,220 @@
+"""What a rank is told, in one frozen description, and the one place it meets the environment.
+
+A rank learns its place in two steps. At start, before its gang has formed, it is told the run
+(id, world size, backend, settings) and its own place (rank, host, GPUs): :class:`RankSpec`.
+Once every task of the gang has checked in, it is told the gang (attempt, hosts, master port,
+local rank): :class:`GangSpec`. The rank process then decides its device once
+(:func:`device_env`).
+
+All of it travels as environment variables, because that is what reaches threads, forked
+processes and DataLoader workers of the rank alike, and what torch's own ``init_process_group``
+reads (``MASTER_ADDR``, ``RANK``, ...). This module is the only code that writes or reads them:
+everything else holds a :class:`RankSpec` and a :class:`GangSpec`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sparkdl._internal.common.config import RunConfig
+from sparkdl._internal.common.errors import NotInRunError
+
+PREFIX = "SPARKDL_"
+# Descriptors a rank inherits; the environment names their numbers as SPARKDL_<NAME>_FD.
+FD_NAMES = ("lifeline", "control", "metrics", "store")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every rank of one run is told: built once on the driver, shipped to every task."""
+
+    run_id: str
+    world_size: int
+    backend: str
+    use_gpu: bool
+    checkpoint_url: str
+    config: RunConfig
+
+    @property
+    def tasks(self) -> int:
+        """The gang's Spark tasks: ``world_size`` ranks, ``config.processes_per_task`` in each."""
+        return self.world_size // self.config.processes_per_task
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank's place in its run, known when its process starts."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    host: str
+    backend: str
+    gpu_ids: tuple[str, ...] = ()
+    task_pid: int | None = None
+    collective_timeout_s: float = RunConfig.collective_timeout_s
+    init_process_group: bool = True
+    checkpoint_url: str | None = None
+    keep_checkpoints: int = RunConfig.keep_checkpoints
+    horovod_controller: str = RunConfig.horovod_controller
+    # The ranks of this rank's Spark task (RunConfig.processes_per_task); this one is rank % it.
+    processes_per_task: int = 1
+
+    @classmethod
+    def of(cls, run: RunSpec, *, rank: int, host: str, gpu_ids: list[str], task_pid: int) -> RankSpec:
+        return cls(
+            run_id=run.run_id,
+            rank=rank,
+            world_size=run.world_size,
+            host=host,
+            backend=run.backend,
+            gpu_ids=tuple(gpu_ids),
+            task_pid=task_pid,
+            collective_timeout_s=run.config.collective_timeout_s,
+            init_process_group=run.config.init_process_group,
+            checkpoint_url=run.checkpoint_url,
+            keep_checkpoints=run.config.keep_checkpoints,
+            horovod_controller=run.config.horovod_controller,
+            processes_per_task=run.config.processes_per_task,
+        )
+
+
+@dataclass(frozen=True)
+class GangSpec:
+    """What a rank learns once its gang has formed."""
+
+    attempt: int
+    hosts: tuple[str, ...]
+    master_port: int
+    local_rank: int
+    local_world_size: int
+    # Why the run's checkpoint directory must not be written: a host of the gang does not see
+    # the driver's marker in it (sparkdl._internal.spark.reach); None when every host does, or nobody looked.
+    checkpoints_refused: str | None = None
+
+    @property
+    def master_addr(self) -> str:
+        return self.hosts[0]
+
+    @classmethod
+    def form(cls, spec: RankSpec, *, attempt: int, hosts: list[str], master_port: int,
+             checkpoints_refused: str | None = None) -> GangSpec:
+        if spec.gpu_ids:
+            # Each rank sees exactly its task's GPUs (CUDA_VISIBLE_DEVICES), so in torchrun's terms
+            # every task is a node of processes_per_task processes (--nproc_per_node): LOCAL_RANK
+            # numbers the ranks of the task, each one's device is cuda:LOCAL_RANK (with one rank
+            # per task: cuda:0, and a rank given several GPUs sees them as cuda:0, cuda:1, ...). A
+            # host-wide LOCAL_RANK would send set_device(LOCAL_RANK) to a GPU the rank cannot see.
+            local_rank, local_world = spec.rank % spec.processes_per_task, spec.processes_per_task
+        else:
+            local_rank, local_world = hosts[: spec.rank].count(spec.host), hosts.count(spec.host)
+        return cls(attempt, tuple(hosts), master_port, local_rank, local_world, checkpoints_refused)
+
+
+def rank_env(spec: RankSpec) -> dict[str, str]:
+    """The variables a rank process starts with (added to the task's own environment)."""
+    env = {
+        # Set before torch starts, so the rank sees exactly the GPUs Spark assigned to its task.
+        "CUDA_VISIBLE_DEVICES": ",".join(spec.gpu_ids),
+        "PYTHONUNBUFFERED": "1",
+        PREFIX + "RUN_ID": spec.run_id,
+        PREFIX + "RANK": str(spec.rank),
+        PREFIX + "WORLD_SIZE": str(spec.world_size),
+        PREFIX + "HOST": spec.host,
+        PREFIX + "BACKEND": spec.backend,
+        PREFIX + "GPU_IDS": ",".join(spec.gpu_ids),
+        PREFIX + "COLLECTIVE_TIMEOUT_S": str(spec.collective_timeout_s),
+        PREFIX + "INIT_PROCESS_GROUP": "1" if spec.init_process_group else "0",
+        PREFIX + "KEEP_CHECKPOINTS": str(spec.keep_checkpoints),
+        PREFIX + "HOROVOD_CONTROLLER": spec.horovod_controller,
+        PREFIX + "PROCESSES_PER_TASK": str(spec.processes_per_task),
+    }
+    if spec.task_pid is not None:
+        # The Python worker running this rank's Spark task (a forked rank's parent is the zygote).
+        env[PREFIX + "TASK_PID"] = str(spec.task_pid)
+    if spec.checkpoint_url:
+        env[PREFIX + "CHECKPOINT_DIR"] = spec.checkpoint_url
+    return env
+
+
+def gang_env(spec: RankSpec, gang: GangSpec) -> dict[str, str]:
+    """The variables a rank learns once the gang formed: torch's own names and sparkdl's."""
+    return {
+        "MASTER_ADDR": gang.master_addr,
+        "MASTER_PORT": str(gang.master_port),
+        "RANK": str(spec.rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_RANK": str(gang.local_rank),
+        "LOCAL_WORLD_SIZE": str(gang.local_world_size),
+        PREFIX + "LOCAL_RANK": str(gang.local_rank),
+        PREFIX + "LOCAL_WORLD_SIZE": str(gang.local_world_size),
+        PREFIX + "ATTEMPT": str(gang.attempt),
+        PREFIX + "HOSTS": ",".join(gang.hosts),
+        **({PREFIX + "CHECKPOINTS_REFUSED": gang.checkpoints_refused} if gang.checkpoints_refused else {}),
+    }
+
+
+def device_env(use_cuda: bool) -> dict[str, str]:
+    """The rank's device, decided once in the rank process, for ``context().device`` everywhere."""
+    return {PREFIX + "USE_CUDA": "1" if use_cuda else "0"}
+
+
+def fd_env(fds: Mapping[str, int]) -> dict[str, str]:
+    """Names the numbers of the descriptors a rank inherits (see :data:`FD_NAMES`)."""
+    return {f"{PREFIX}{name.upper()}_FD": str(fd) for name, fd in fds.items()}
+
+
+def in_run(env: Mapping[str, str] | None = None) -> bool:
+    """True inside a rank process (or a process it started)."""
+    return (os.environ if env is None else env).get(PREFIX + "RUN_ID") is not None
+
+
+def read_fd(name: str, env: Mapping[str, str] | None = None) -> int | None:
+    value = (os.environ if env is None else env).get(f"{PREFIX}{name.upper()}_FD")
+    return int(value) if value is not None else None
+
+
+def read_rank(env: Mapping[str, str] | None = None) -> RankSpec:
+    """The :class:`RankSpec` this process was started with; NotInRunError outside a run."""
+    env = os.environ if env is None else env
+    if not in_run(env):
+        raise NotInRunError(
+            "sparkdl.context() is only available inside a function launched by sparkdl.run(...); "
+            "outside a run, pass rank and world_size explicitly where an API asks for them"
+        )
+    task_pid = env.get(PREFIX + "TASK_PID")
+    return RankSpec(
+        run_id=env[PREFIX + "RUN_ID"],
+        rank=int(env[PREFIX + "RANK"]),
+        world_size=int(env[PREFIX + "WORLD_SIZE"]),
+        host=env[PREFIX + "HOST"],
+        backend=env[PREFIX + "BACKEND"],
+        gpu_ids=tuple(g for g in env.get(PREFIX + "GPU_IDS", "").split(",") if g),
+        task_pid=int(task_pid) if task_pid else None,
+        collective_timeout_s=float(env.get(PREFIX + "COLLECTIVE_TIMEOUT_S", RunConfig.collective_timeout_s)),
+        init_process_group=env.get(PREFIX + "INIT_PROCESS_GROUP", "1") == "1",
+        checkpoint_url=env.get(PREFIX + "CHECKPOINT_DIR") or None,
+        keep_checkpoints=int(env.get(PREFIX + "KEEP_CHECKPOINTS", RunConfig.keep_checkpoints)),
+        horovod_controller=env.get(PREFIX + "HOROVOD_CONTROLLER", RunConfig.horovod_controller),
+        processes_per_task=int(env.get(PREFIX + "PROCESSES_PER_TASK", "1")),
+    )
+
+
+def read_gang(env: Mapping[str, str] | None = None) -> GangSpec:
+    """The :class:`GangSpec` of this rank (after the gang formed)."""
+    env = os.environ if env is None else env
+    hosts = tuple(h for h in env.get(PREFIX + "HOSTS", "").split(",") if h) or (env.get(PREFIX + "HOST", ""),)
+    return GangSpec(
+        attempt=int(env[PREFIX + "ATTEMPT"]),
+        hosts=hosts,
+        master_port=int(env.get("MASTER_PORT", "0")),
+        local_rank=int(env[PREFIX + "LOCAL_RANK"]),
+        local_world_size=int(env[PREFIX + "LOCAL_WORLD_SIZE"]),
+        checkpoints_refused=env.get(PREFIX + "CHECKPOINTS_REFUSED") or None,
+    )
+
+
+def read_use_cuda(env: Mapping[str, str] | None = None) -> bool:
+    return (os.environ if env is None else env).get(PREFIX + "USE_CUDA") == "1"
