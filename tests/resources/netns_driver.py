@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -156,8 +157,10 @@ def main() -> None:
         out["cache_default"] = config_error(lambda: sparkdl.write_dataset(df))
         # A checkpoint directory on the driver's own disk (each host has a private /tmp).
         mark = f"{shared}/started-named"
+        local_ckpt = f"/tmp/sparkdl-netns-{os.getpid()}"
         out["ckpt_named"] = config_error(lambda: sparkdl.run(train, ds, {"mark": mark}, num_workers=2, config=cfg,
-                                                             checkpoint_dir=f"/tmp/sparkdl-netns-{os.getpid()}"))
+                                                             checkpoint_dir=local_ckpt))
+        shutil.rmtree(local_ckpt, ignore_errors=True)  # the refused directory, made to hold the marker
         out["ckpt_named_started"] = sorted(p for p in os.listdir(shared) if p.startswith("started-named"))
         # The default run directory, on the driver's temp dir: a run that never saves runs...
         out["where"] = sparkdl.run(where, ds, num_workers=2, config=cfg)
