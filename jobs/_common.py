@@ -40,6 +40,8 @@ PRIVATE_DEFAULTS = {
     "data": ("digits", "sparkdl.jobs.data"),
     "model": ("model", "sparkdl.jobs.model"),
     "output": ("predictions", "sparkdl.inference.output"),
+    "images": ("digit-images", "sparkdl.images.images"),
+    "pipeline": ("image-pipeline", "sparkdl.images.pipeline"),
 }
 
 
@@ -129,7 +131,7 @@ def apply_defaults(parser: argparse.ArgumentParser, job: str, props: dict[str, s
             updates[action.dest] = _convert(action, value, f"{where}: {key}", parser)
     for key in props:
         scope = key.split(".")[1] if key.count(".") >= 2 else ""
-        if not key.startswith("sparkdl.") or scope not in ("jobs", "etl", "train", "inference"):
+        if not key.startswith("sparkdl.") or scope not in ("jobs", "etl", "train", "inference", "images"):
             parser.error(f"{where}: unknown key {key!r}; keys are sparkdl.jobs.<option> or sparkdl.<job>.<option>")
     parser.set_defaults(**updates)
 

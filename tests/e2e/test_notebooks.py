@@ -23,7 +23,7 @@ from conftest import REPO
 from connect_server import connect_available
 
 NOTEBOOKS = REPO / "notebooks"
-NAMES = ["quickstart", "pipeline", "connect"]
+NAMES = ["quickstart", "pipeline", "images", "connect"]
 # The last cell ends the Spark session the notebook started (and the Connect server it started).
 LAST_CELL = {"connect": "spark.stop()\nif server is not None:  # the Connect server this notebook started\n    server.cleanup()"}
 KERNEL = "sparkdl-test-venv"
@@ -115,6 +115,11 @@ def test_notebook_runs(name: str, venv_kernel: str, tmp_path: Path, monkeypatch:
     elif name == "pipeline":
         assert "the loaded pipeline gives the same predictions: True" in outputs
         assert "held-out accuracy of the custom loop" in outputs
+    elif name == "images":
+        assert "held-out accuracy:" in outputs and "on 360 images" in outputs
+        # The ranks' epochs came back to the kernel, and the fitted pipeline was saved.
+        assert "[rank 0] epoch 5/5" in outputs
+        assert (work / "digit-cnn" / "metadata").is_dir() and len(list((work / "digit-images").glob("*/*.png"))) == 1797
     else:
         assert "over Spark Connect (pyspark.sql.connect.session); the server's master: local[2]" in outputs
         assert "held-out accuracy over Spark Connect" in outputs

@@ -27,6 +27,7 @@ the same random draws; other formats are decoded on the CPU and moved.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import math
@@ -108,6 +109,11 @@ class ImageDecoder:
         """``(height, width)`` of every output."""
         s = self.size
         return (int(s), int(s)) if isinstance(s, int) else (int(s[0]), int(s[1]))
+
+    def for_eval(self) -> ImageDecoder:
+        """This decoder without random draws, for validation and scoring: a random crop becomes
+        the center crop (of ``center_fraction``), at the same size; other crops are kept."""
+        return dataclasses.replace(self, crop="center") if self.crop == "random" else self
 
     @property
     def batched(self) -> bool:

@@ -9,9 +9,10 @@ what was found and what to do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.ml.decoding import holds_images
 from sparkdl._internal.ml.fit_plan import BINARY_LOSSES, CLASSIFICATION, FitPlan
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ class Facts:
     """What the checks learned about the data and the model."""
 
     num_rows: int
-    num_features: int
+    num_features: int | None  # None: decoded features (the probe finds their shape)
     label_length: int | None  # None: one number per row; L: an array or vector of length L
     label_max: float | None  # the largest label, for one number per row
 
@@ -59,9 +60,17 @@ def _column_type(df: DataFrame, name: str, role: str) -> DataType:
     return df.schema[name].dataType
 
 
-def check_features_type(df: DataFrame, col: str) -> None:
-    """ConfigError unless ``col`` exists and holds Spark ML vectors or arrays of numbers (no job)."""
+def check_features_type(df: DataFrame, col: str, decoded: bool = False) -> None:
+    """ConfigError unless ``col`` exists and holds Spark ML vectors or arrays of numbers, or
+    anything with a decoder (``decoded``) (no job)."""
     t = _column_type(df, col, "featuresCol")
+    if decoded:
+        return
+    if holds_images(t):
+        raise ConfigError(
+            f"featuresCol={col!r} holds images ({t.simpleString()}); set featuresDecoder to a function that "
+            "decodes them, such as sparkdl.ImageDecoder(224) (random crops and flips in training)"
+        )
     if not (_is_vector(t) or _is_numeric_array(t)):
         raise ConfigError(
             f"featuresCol={col!r} has type {t.simpleString()}; expected a Spark ML vector (e.g. the "
@@ -100,7 +109,8 @@ def inspect_columns(df: DataFrame, plan: FitPlan) -> Facts:
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    check_features_type(df, plan.features_col)
+    decoded = plan.decoder is not None
+    check_features_type(df, plan.features_col, decoded)
     lt = _column_type(df, plan.label_col, "labelCol")
     label_is_array = _is_vector(lt) or _is_numeric_array(lt)
     scalar_ok = isinstance(lt, (*_numeric_types(), T.BooleanType))
@@ -116,16 +126,19 @@ def inspect_columns(df: DataFrame, plan: FitPlan) -> Facts:
             "or an array or vector of numbers of one length"
         )
 
-    x = features_expr(df, plan.features_col)
-    bad_value = F.exists(x, lambda v: v.isNull() | F.isnan(v))
     aggs = [
         F.count(F.lit(1)).alias("n"),
         F.sum(F.when(F.col(plan.features_col).isNull(), 1).otherwise(0)).alias("x_null"),
-        F.min(F.when(x.isNotNull(), F.size(x))).alias("x_min"),
-        F.max(F.when(x.isNotNull(), F.size(x))).alias("x_max"),
-        F.sum(F.when(bad_value, 1).otherwise(0)).alias("x_bad"),
         F.sum(F.when(F.col(lc).isNull(), 1).otherwise(0)).alias("y_null"),
     ]
+    if not decoded:  # decoded features: the decoder checks each value, the probe their shape
+        x = features_expr(df, plan.features_col)
+        bad_value = F.exists(x, lambda v: v.isNull() | F.isnan(v))
+        aggs += [
+            F.min(F.when(x.isNotNull(), F.size(x))).alias("x_min"),
+            F.max(F.when(x.isNotNull(), F.size(x))).alias("x_max"),
+            F.sum(F.when(bad_value, 1).otherwise(0)).alias("x_bad"),
+        ]
     if label_is_array:
         y = label_expr(df, plan)
         aggs += [
@@ -149,15 +162,8 @@ def inspect_columns(df: DataFrame, plan: FitPlan) -> Facts:
         raise ConfigError("the DataFrame passed to fit has no rows")
     if s["x_null"]:
         raise ConfigError(f"featuresCol={fc!r} is null in {s['x_null']} of {n} rows; drop or fill those rows first")
-    if s["x_min"] != s["x_max"]:
-        raise ConfigError(
-            f"featuresCol={fc!r} holds rows of different lengths, from {s['x_min']} to {s['x_max']} values; "
-            "every row must have the same number of features"
-        )
-    if s["x_min"] == 0:
-        raise ConfigError(f"featuresCol={fc!r} holds empty vectors; every row needs at least one feature")
-    if s["x_bad"]:
-        raise ConfigError(f"featuresCol={fc!r} holds NaN or null values in {s['x_bad']} of {n} rows; clean them first")
+    if not decoded:
+        _check_feature_values(s, fc, n)
     if s["y_null"] or s["y_bad"]:
         raise ConfigError(
             f"labelCol={lc!r} is null or NaN in {int(s['y_null'] or 0) + int(s['y_bad'] or 0)} of {n} rows; "
@@ -193,7 +199,19 @@ def inspect_columns(df: DataFrame, plan: FitPlan) -> Facts:
         )
     return Facts(
         num_rows=n,
-        num_features=int(s["x_min"]),
+        num_features=None if decoded else int(s["x_min"]),
         label_length=label_length,
         label_max=None if label_is_array else float(s["y_max"]),
     )
+
+
+def _check_feature_values(s: Any, fc: str, n: int) -> None:
+    if s["x_min"] != s["x_max"]:
+        raise ConfigError(
+            f"featuresCol={fc!r} holds rows of different lengths, from {s['x_min']} to {s['x_max']} values; "
+            "every row must have the same number of features"
+        )
+    if s["x_min"] == 0:
+        raise ConfigError(f"featuresCol={fc!r} holds empty vectors; every row needs at least one feature")
+    if s["x_bad"]:
+        raise ConfigError(f"featuresCol={fc!r} holds NaN or null values in {s['x_bad']} of {n} rows; clean them first")

@@ -26,6 +26,7 @@ from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
 from sparkdl._internal.ml.columns import features_expr, inspect_columns, label_expr
+from sparkdl._internal.ml.decoding import eval_decoder
 from sparkdl._internal.ml.fit_plan import CLASSIFICATION, REGRESSION, REGRESSION_LOSSES, FitPlan
 from sparkdl._internal.ml.model import TorchModel
 from sparkdl._internal.ml.params import EstimatorParams, check_backend
@@ -89,7 +90,14 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
             tensors, or int64 with ``task="classification"``).
         task: ``"classification"`` or ``"regression"``; inferred from a named loss, and
             ``"regression"`` (raw outputs) for a callable one unless set.
-        featuresCol: the features column (default ``"features"``).
+        featuresCol: the features column (default ``"features"``): a Spark ML vector or an array
+            of numbers; or images (``binaryFile``'s ``content``, the ``image`` source's struct)
+            with ``featuresDecoder``.
+        featuresDecoder: a per-sample function ``fn(value, rng) -> array`` that decodes and
+            augments featuresCol on the ranks' decode workers, such as
+            ``sparkdl.ImageDecoder(224)``; ``uint8`` arrays reach the model as floats in [0, 1].
+        evalDecoder: the decoder of validation rows and of the fitted model's ``transform``;
+            ``None`` (default): featuresDecoder without random draws (``ImageDecoder.for_eval()``).
         labelCol: the label column (default ``"label"``).
         predictionCol: the column ``transform`` adds (default ``"prediction"``).
         batchSize: rows per batch on each worker (default 32). The last partial batch of each
@@ -120,6 +128,8 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
         model: Any = None,
         featuresCol: str = "features",
         labelCol: str = "label",
+        featuresDecoder: Any = None,
+        evalDecoder: Any = None,
         predictionCol: str = "prediction",
         optimizer: Any = "adam",
         learningRate: float = 1e-3,
@@ -147,6 +157,8 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
         model: Any = None,
         featuresCol: str = "features",
         labelCol: str = "label",
+        featuresDecoder: Any = None,
+        evalDecoder: Any = None,
         predictionCol: str = "prediction",
         optimizer: Any = "adam",
         learningRate: float = 1e-3,
@@ -288,6 +300,7 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
 
     def _fit(self, dataset: DataFrame) -> TorchModel:
         import torch
+        from pyspark.sql import functions as F
 
         from sparkdl._internal.data.write import write_dataset
         from sparkdl._internal.driver.run import run
@@ -301,9 +314,8 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
         facts = inspect_columns(dataset, plan)
         driver_module, num_outputs = probe(dataset, plan, facts)
 
-        prepared = dataset.select(
-            features_expr(dataset, plan.features_col).alias("x"), label_expr(dataset, plan).alias("y")
-        )
+        x = F.col(plan.features_col) if plan.decoder is not None else features_expr(dataset, plan.features_col)
+        prepared = dataset.select(x.alias("x"), label_expr(dataset, plan).alias("y"))
         session = dataset.sparkSession
         num_files = _num_files(session, plan.num_workers)
         val_ds: Dataset | None = None
@@ -336,6 +348,7 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
             num_outputs=num_outputs,
             history=result["history"],
             featuresCol=plan.features_col,
+            featuresDecoder=plan.eval_decoder,
             predictionCol=self.getPredictionCol(),
             task=plan.task,
             inferenceBatchSize=self.getInferenceBatchSize(),
@@ -375,6 +388,8 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
             seed=self.getSeed(),
             checkpoint_every=self.getCheckpointEvery(),
             validation_fraction=self.getValidationFraction(),
+            decoder=self.getFeaturesDecoder(),
+            eval_decoder=eval_decoder(self.getFeaturesDecoder(), self.getEvalDecoder()),
         )
 
 

@@ -42,6 +42,10 @@ class FitPlan:
     seed: int
     checkpoint_every: int
     validation_fraction: float
+    # Per-sample functions that decode the features (images): in training, and in validation and
+    # the fitted model's scoring. None: the features are numbers.
+    decoder: Any = None
+    eval_decoder: Any = None
 
     @property
     def loss_name(self) -> str:

@@ -16,6 +16,7 @@ from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.ml.columns import check_features_type, features_expr
+from sparkdl._internal.ml.decoding import decode_values
 from sparkdl._internal.ml.fit_plan import REGRESSION
 from sparkdl._internal.ml.modules import dump_module, load_module
 from sparkdl._internal.ml.params import ScoringParams
@@ -26,12 +27,12 @@ from sparkdl._internal.ml.persistence import (
     check_connect_client,
 )
 from sparkdl._internal.ml.scoring import Scorer, model_id_of, scoring_column
-from sparkdl._internal.ml.training import input_dtype
+from sparkdl._internal.ml.training import input_dtype, model_input
 from sparkdl._internal.spark import spark_api
 
 if TYPE_CHECKING:
     import torch
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 __all__ = ["TorchModel"]
 
@@ -47,8 +48,10 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
       ``(N, 1)``), else an ``array<float>`` of the model's outputs for the row (turn it into an
       ML vector with ``pyspark.ml.functions.array_to_vector`` when needed).
 
-    ``featuresCol`` may hold Spark ML vectors (dense or sparse) or arrays of numbers; only that
-    column goes to Python. Scoring runs in an iterator UDF over Arrow batches, up to
+    ``featuresCol`` may hold Spark ML vectors (dense or sparse) or arrays of numbers; or images
+    (encoded bytes, Spark's image struct) with ``featuresDecoder``, such as
+    ``sparkdl.ImageDecoder(224, crop="center")``, which the executors run on each row (a fitted
+    model takes its estimator's ``evalDecoder``). Only that column goes to Python. Scoring runs in an iterator UDF over Arrow batches, up to
     ``inferenceBatchSize`` rows per model call, under ``torch.inference_mode()``. Each executor
     Python worker loads the model once and keeps it for later batches, tasks and jobs (its bytes
     reach the executors as a broadcast on a classic session; over Spark Connect, which has no
@@ -95,6 +98,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         *,
         model: Any = None,
         featuresCol: str = "features",
+        featuresDecoder: Any = None,
         predictionCol: str = "prediction",
         task: str | None = None,
         inferenceBatchSize: int = 1024,
@@ -117,7 +121,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
 
     @classmethod
     def _trained(
-        cls, module: Any, *, num_features: int, num_outputs: int, history: list[dict[str, Any]], **params: Any
+        cls, module: Any, *, num_features: int | None, num_outputs: int, history: list[dict[str, Any]], **params: Any
     ) -> TorchModel:
         """A model made by a fit: the trained module, what the fit learned, and the scoring ``params``."""
         model = cls(model=module, **params)
@@ -228,7 +232,8 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         session = dataset.sparkSession
         check_connect_client(session, "TorchModel.transform")
         features_col, prediction_col = self.getFeaturesCol(), self.getPredictionCol()
-        check_features_type(dataset, features_col)
+        decoder = self.getFeaturesDecoder()
+        check_features_type(dataset, features_col, decoded=decoder is not None)
         if prediction_col in dataset.columns:
             raise ConfigError(
                 f"predictionCol={prediction_col!r} is already a column of the DataFrame; choose another "
@@ -251,8 +256,15 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
             use_gpu=use_gpu,
             features_col=features_col,
             vector_out=vector_out,
+            decoder=decoder,
         )
-        return dataset.withColumn(prediction_col, scoring_column(scorer, features_expr(dataset, features_col)))
+        return dataset.withColumn(prediction_col, scoring_column(scorer, self._features(dataset)))
+
+    def _features(self, dataset: DataFrame) -> Column:
+        from pyspark.sql import functions as F
+
+        col = self.getFeaturesCol()
+        return F.col(col) if self.getFeaturesDecoder() is not None else features_expr(dataset, col)
 
     def _model_source(self, session: SparkSession) -> Any:
         """Where the executors find the module's bytes: over Connect, the name of a file shipped
@@ -298,11 +310,14 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
         """Outputs per row of a wrapped regression model, from one row (a small job), remembered."""
         import torch
 
-        row = dataset.select(features_expr(dataset, self.getFeaturesCol()).alias("x")).limit(1).collect()
+        row = dataset.select(self._features(dataset).alias("x")).limit(1).collect()
         if not row:
             return 1
         module = self.getModule()
+        decoder = self.getFeaturesDecoder()
+        value = row[0]["x"]
+        x = torch.from_numpy(decode_values(decoder, [value], self.getFeaturesCol())) if decoder else torch.tensor([value])
         with torch.inference_mode():
-            out = module(torch.tensor([row[0]["x"]], dtype=input_dtype(module)))
+            out = module(model_input(x, "cpu", input_dtype(module)))
         self._num_outputs = 1 if out.dim() == 1 else int(math.prod(out.shape[1:]))
         return self._num_outputs

@@ -16,6 +16,7 @@ from pyspark.ml.param.shared import HasFeaturesCol, HasLabelCol, HasPredictionCo
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import int_at_least, is_number, positive_number
+from sparkdl._internal.ml.decoding import check_decoder
 from sparkdl._internal.ml.fit_plan import LOSSES, OPTIMIZERS, TASKS
 
 __all__ = ["EstimatorParams", "ScoringParams", "check_backend"]
@@ -147,8 +148,16 @@ class ScoringParams(HasFeaturesCol, HasPredictionCol):
 
     # Spark ML's, with a converter that says what to do with several input columns.
     featuresCol: Param[str] = Param(
-        Params._dummy(), "featuresCol", "features column name (one column: a Spark ML vector or an array of numbers)",
+        Params._dummy(), "featuresCol",
+        "features column name (one column: a Spark ML vector, an array of numbers, or images with featuresDecoder)",
         typeConverter=_features_col,
+    )
+    featuresDecoder: Param[Any] = Param(
+        Params._dummy(),
+        "featuresDecoder",
+        "a per-sample function fn(value, rng) -> array that decodes featuresCol (image bytes or Spark image "
+        "structs), such as sparkdl.ImageDecoder(224); None: featuresCol holds numbers",
+        typeConverter=check_decoder("featuresDecoder"),
     )
 
     task: Param[Any] = Param(
@@ -174,8 +183,17 @@ class ScoringParams(HasFeaturesCol, HasPredictionCol):
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(
-            featuresCol="features", predictionCol="prediction", task=None, inferenceBatchSize=1024, useGpu=None
+            featuresCol="features", featuresDecoder=None, predictionCol="prediction", task=None,
+            inferenceBatchSize=1024, useGpu=None,
         )
+
+    def getFeaturesDecoder(self) -> Any:
+        """The per-sample function that decodes featuresCol, or None."""
+        return self.getOrDefault(self.featuresDecoder)
+
+    def setFeaturesDecoder(self, value: Any) -> Any:
+        """Sets the per-sample function that decodes featuresCol (None: it holds numbers)."""
+        return self._set(featuresDecoder=value)
 
     def getTask(self) -> str | None:
         """The task: ``'classification'``, ``'regression'`` or None (inferred from the loss)."""
@@ -263,6 +281,13 @@ class EstimatorParams(ScoringParams, HasLabelCol, HasSeed):
     runConfig: Param[Any] = Param(
         Params._dummy(), "runConfig", "bounds of the training run (sparkdl.RunConfig)", typeConverter=_run_config
     )
+    evalDecoder: Param[Any] = Param(
+        Params._dummy(),
+        "evalDecoder",
+        "the featuresDecoder of validation rows and of the fitted model's transform; None: featuresDecoder "
+        "without its random draws (an ImageDecoder's random crop becomes the center crop)",
+        typeConverter=check_decoder("evalDecoder"),
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -280,4 +305,13 @@ class EstimatorParams(ScoringParams, HasLabelCol, HasSeed):
             checkpointEvery=0,
             validationFraction=0.0,
             runConfig=None,
+            evalDecoder=None,
         )
+
+    def getEvalDecoder(self) -> Any:
+        """The decoder of validation rows and of the fitted model, or None (derived from featuresDecoder)."""
+        return self.getOrDefault(self.evalDecoder)
+
+    def setEvalDecoder(self, value: Any) -> Any:
+        """Sets the decoder of validation rows and of the fitted model (None: derived from featuresDecoder)."""
+        return self._set(evalDecoder=value)

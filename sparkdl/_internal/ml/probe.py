@@ -5,10 +5,11 @@ with a message naming the columns and the loss, instead of failing every rank mi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.ml.columns import Facts, features_expr, label_expr
+from sparkdl._internal.ml.decoding import decode_values
 from sparkdl._internal.ml.fit_plan import (
     BINARY_LOSSES,
     CLASS_LOSSES,
@@ -23,9 +24,11 @@ from sparkdl._internal.ml.training import (
     label_tensor,
     loss_function,
     make_optimizer,
+    model_input,
 )
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
     from pyspark.sql import DataFrame
 
@@ -42,13 +45,17 @@ def probe(df: DataFrame, plan: FitPlan, facts: Facts) -> tuple[torch.nn.Module, 
     and the number of outputs per row.
     """
     import torch
+    from pyspark.sql import functions as F
 
-    rows = df.select(
-        features_expr(df, plan.features_col).alias("x"), label_expr(df, plan).alias("y")
-    ).limit(_PROBE_ROWS).collect()
+    decoded = plan.decoder is not None
+    x_expr = F.col(plan.features_col) if decoded else features_expr(df, plan.features_col)
+    rows = df.select(x_expr.alias("x"), label_expr(df, plan).alias("y")).limit(_PROBE_ROWS).collect()
     module = instantiate(plan.model, plan.seed)
     dtype = input_dtype(module)
-    x = torch.tensor([r["x"] for r in rows], dtype=dtype)
+    if decoded:
+        x = model_input(torch.from_numpy(_decoded([r["x"] for r in rows], plan)), "cpu", dtype)
+    else:
+        x = torch.tensor([r["x"] for r in rows], dtype=dtype)
     y = label_tensor([r["y"] for r in rows], plan, dtype)
     fc, lc = plan.features_col, plan.label_col
     was_training = module.training
@@ -58,8 +65,9 @@ def probe(df: DataFrame, plan: FitPlan, facts: Facts) -> tuple[torch.nn.Module, 
             out = module(x)
     except Exception as exc:
         raise ConfigError(
-            f"the model failed on {len(rows)} rows of featuresCol={fc!r} (input shape {tuple(x.shape)}, "
-            f"{facts.num_features} features per row): {type(exc).__name__}: {exc}. Check the model's input size"
+            f"the model failed on {len(rows)} rows of featuresCol={fc!r} (input shape {tuple(x.shape)}"
+            + ("" if decoded else f", {facts.num_features} features per row")
+            + f"): {type(exc).__name__}: {exc}. Check the model's input size"
         ) from exc
     finally:
         module.train(was_training)
@@ -113,6 +121,19 @@ def probe(df: DataFrame, plan: FitPlan, facts: Facts) -> tuple[torch.nn.Module, 
         ) from exc
     _check_optimizer(plan, module)
     return module, width
+
+
+def _decoded(values: list[Any], plan: FitPlan) -> np.ndarray:
+    """The probe's rows decoded as training decodes them; the evaluation decoder must give the same shape."""
+    x = decode_values(plan.decoder, values, plan.features_col)
+    if plan.eval_decoder is not None and plan.eval_decoder is not plan.decoder:
+        shape = decode_values(plan.eval_decoder, values[:1], plan.features_col, "evalDecoder").shape[1:]
+        if shape != x.shape[1:]:
+            raise ConfigError(
+                f"evalDecoder gives arrays of shape {shape} and featuresDecoder {x.shape[1:]} for featuresCol="
+                f"{plan.features_col!r}; the model takes one shape: give both decoders the same size"
+            )
+    return x
 
 
 def _check_optimizer(plan: FitPlan, module: torch.nn.Module) -> None:

@@ -32,9 +32,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
+from sparkdl._internal.ml.decoding import decode_values
 from sparkdl._internal.ml.fit_plan import CLASSIFICATION
 from sparkdl._internal.ml.modules import load_module
-from sparkdl._internal.ml.training import input_dtype
+from sparkdl._internal.ml.training import input_dtype, model_input
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +66,7 @@ class Scorer:
     use_gpu: bool | None
     features_col: str
     vector_out: bool
+    decoder: Any = None  # decodes each row's features (images) before the model
 
     @property
     def return_type(self) -> str:
@@ -207,15 +209,19 @@ def _score_array(
     import torch
 
     module, device, dtype = model
-    x = _features_matrix(arr, scorer)
+    n = len(arr)
+    x = _features_matrix(arr, scorer) if scorer.decoder is None else None
+    values = arr.to_pylist() if scorer.decoder is not None else None
     outs: list[np.ndarray] = []
     # Arrow's buffers are read-only and the model only reads its input: no copy, and no warning.
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for start in range(0, len(x), scorer.batch_rows):
-            xb = torch.from_numpy(x[start : start + scorer.batch_rows]).to(
-                device=device, dtype=dtype
-            )
+        for start in range(0, n, scorer.batch_rows):
+            if values is not None:  # decoded a model call's rows at a time: memory stays bounded
+                chunk = decode_values(scorer.decoder, values[start : start + scorer.batch_rows], scorer.features_col)
+            else:
+                chunk = cast(np.ndarray, x)[start : start + scorer.batch_rows]
+            xb = model_input(torch.from_numpy(chunk), device, dtype)
             outs.append(_postprocess(module(xb), scorer).cpu().numpy())
     if scorer.vector_out:
         flat = (
@@ -224,7 +230,7 @@ def _score_array(
             else np.zeros((0, 0), np.float32)
         )
         width = flat.shape[1] if flat.ndim == 2 else 0
-        offsets = pa.array(np.arange(len(x) + 1, dtype=np.int32) * width)
+        offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width)
         return pa.ListArray.from_arrays(offsets, pa.array(flat.reshape(-1).astype(np.float32)))
     return pa.array(np.concatenate(outs) if outs else np.zeros(0, np.float64), type=pa.float64())
 
@@ -274,10 +280,16 @@ def scoring_column(scorer: Scorer, features: Column) -> Column:
 
     import pandas as pd
 
-    in_type = pa.list_(pa.float32())
+    # Features to decode (image bytes, or Spark's image struct: a DataFrame here) keep their type.
+    in_type = pa.list_(pa.float32()) if scorer.decoder is None else None
+
+    def to_arrow(s: Any) -> pa.Array:
+        if isinstance(s, pd.DataFrame):
+            return pa.array(s.to_dict("records"))
+        return pa.array(s, type=in_type)
 
     def score_pandas(batches: Any) -> Any:  # pyspark 3.5: pandas Series, converted to Arrow here
-        arrays = (pa.array(s, type=in_type) for s in batches)
+        arrays = (to_arrow(s) for s in batches)
         for out in _score_batches(scorer, arrays):
             yield out.to_pandas()
 

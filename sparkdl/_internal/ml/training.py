@@ -29,6 +29,7 @@ __all__ = [
     "label_tensor",
     "loss_function",
     "make_optimizer",
+    "model_input",
     "train_on_rank",
 ]
 
@@ -55,6 +56,16 @@ def input_dtype(module: torch.nn.Module) -> torch.dtype:
         if p.is_floating_point():
             return p.dtype
     return torch.float32
+
+
+def model_input(x: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """Features as the model takes them: ``dtype`` on ``device``; ``uint8`` (decoded images)
+    scaled to [0, 1] there, so that bytes cross to the GPU as bytes."""
+    import torch
+
+    if x.dtype == torch.uint8:
+        return x.to(device=device).to(dtype).div_(255)
+    return x.to(device=device, dtype=dtype)
 
 
 def loss_function(loss: Any) -> Callable[..., torch.Tensor]:
@@ -141,9 +152,14 @@ def train_on_rank(plan: FitPlan, train_ds: Dataset, val_ds: Dataset | None) -> d
     # Full batches keep every step's gradient on the same number of rows. Only data smaller than
     # one batch per rank keeps its partial batch (the loader then repeats a few rows instead).
     drop_last = train_ds.num_rows >= ctx.world_size * plan.batch_size
-    loader = train_ds.loader(plan.batch_size, seed=plan.seed, columns=["x", "y"], drop_last=drop_last, device=device)
+    decode = {"x": plan.decoder} if plan.decoder is not None else None
+    loader = train_ds.loader(plan.batch_size, seed=plan.seed, columns=["x", "y"], drop_last=drop_last, device=device,
+                             decode=decode)
+    val_decode = {"x": plan.eval_decoder} if plan.eval_decoder is not None else None
     val_loader = (
-        val_ds.loader(plan.batch_size, shuffle=False, columns=["x", "y"], device=device) if val_ds is not None else None
+        val_ds.loader(plan.batch_size, shuffle=False, columns=["x", "y"], device=device, decode=val_decode)
+        if val_ds is not None
+        else None
     )
     # The history lives in the checkpoint (TrainState.extra), so a rerun resumes it too.
     state = TrainState(module, optimizer, loader, extra={"history": []})
@@ -152,7 +168,7 @@ def train_on_rank(plan: FitPlan, train_ds: Dataset, val_ds: Dataset | None) -> d
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     started = time.monotonic()
     for batch in state.batches(epochs=plan.epochs, save_every=plan.checkpoint_every or None):
-        x = batch["x"].to(device=device, dtype=dtype)
+        x = model_input(batch["x"], device, dtype)
         y = batch["y"]
         y = y.to(device=device, dtype=dtype) if y.is_floating_point() else y.to(device)
         out, target = aligned(net(x), y, plan)
@@ -202,7 +218,7 @@ def _epoch_record(
         module.eval()
         with torch.no_grad():
             for batch in val_loader:
-                x = batch["x"].to(device=device, dtype=dtype)
+                x = model_input(batch["x"], device, dtype)
                 y = batch["y"]
                 y = y.to(device=device, dtype=dtype) if y.is_floating_point() else y.to(device)
                 out, target = aligned(module(x), y, plan)

@@ -30,7 +30,7 @@ def jobs(monkeypatch: pytest.MonkeyPatch) -> Any:
     import importlib
 
     monkeypatch.syspath_prepend(str(JOBS))
-    for name in ("_common", "etl", "train", "inference"):
+    for name in ("_common", "etl", "train", "inference", "images"):
         sys.modules.pop(name, None)
     monkeypatch.delenv("SPARKDL_CONF_DIR", raising=False)
 
@@ -39,13 +39,14 @@ def jobs(monkeypatch: pytest.MonkeyPatch) -> Any:
         etl = importlib.import_module("etl")
         train = importlib.import_module("train")
         inference = importlib.import_module("inference")
+        images = importlib.import_module("images")
 
     yield Jobs
-    for name in ("_common", "etl", "train", "inference"):
+    for name in ("_common", "etl", "train", "inference", "images"):
         sys.modules.pop(name, None)
 
 
-@pytest.mark.parametrize("job", ["etl", "train", "inference"])
+@pytest.mark.parametrize("job", ["etl", "train", "inference", "images"])
 def test_help_names_the_spark_submit_options(job: str) -> None:
     out = subprocess.run([sys.executable, str(JOBS / f"{job}.py"), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -87,6 +88,9 @@ def test_shipped_defaults_are_valid_for_every_job(tmp_path: Path, monkeypatch: p
     assert (train.epochs, train.batch_size, train.lr, train.num_workers) == (8, 32, 0.05, 2)
     assert inference.batch_size == 1024  # sparkdl.inference.batch-size, not train's
     assert train.master is None and train.conf == []
+    images = jobs.images.parse_args([])
+    assert images.images == str(mine / "jobs" / "digit-images") and images.pipeline == str(mine / "jobs" / "image-pipeline")
+    assert (images.epochs, images.image_size, images.min_accuracy, images.num_workers) == (5, 16, 0.85, 2)
 
 
 def test_a_default_location_that_is_not_private_ends_the_job_and_names_it(

@@ -1,0 +1,81 @@
+"""TorchEstimator and TorchModel on an image column, through the image job's own pipeline
+(jobs/images.py): real handwritten digits (scikit-learn's, written as PNG files) read by Spark's
+``binaryFile`` source, decoded and augmented on 2 ranks by ``ImageDecoder``, scored by the fitted
+PipelineModel decoding on the executors, saved and loaded. Bad image input is refused before
+training, naming the param. The job's command line is in tests/unit/jobs/test_job_options.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+
+import sparkdl
+from sparkdl import ConfigError, ImageDecoder, TorchEstimator
+
+pytestmark = pytest.mark.spark
+
+FAST = sparkdl.RunConfig(start_timeout_s=60, slot_wait_s=2, connect_timeout_s=20, kill_grace_s=20)
+
+
+@pytest.fixture(scope="module")
+def job() -> Any:
+    """jobs/images.py, imported the way a job script imports its neighbours."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    try:
+        yield importlib.import_module("images")
+    finally:
+        sys.path.remove(str(REPO / "jobs"))
+        sys.modules.pop("images", None)
+        sys.modules.pop("_common", None)
+
+
+@pytest.fixture(scope="module")
+def digit_files(job: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("digit-images")
+    assert job.write_digit_images(root) == 1797
+    return root
+
+
+def test_the_image_pipeline_fits_on_two_ranks_scores_held_out_images_and_reloads(spark, job, digit_files,  # type: ignore[no-untyped-def]
+                                                                                 tmp_path, no_leaks) -> None:
+    from pyspark.ml import PipelineModel
+    from pyspark.sql import functions as F
+
+    summary = job.fit_and_score(spark, str(digit_files), str(tmp_path / "pipeline"), epochs=5, image_size=16,
+                                num_workers=2, seed=0, run_config=FAST)
+    assert summary["test_images"] == 360 and len(summary["history"]) == 5
+    assert summary["accuracy"] >= 0.85, summary  # images never seen in training; chance is 0.1
+
+    loaded = PipelineModel.load(str(tmp_path / "pipeline"))
+    # The fitted model decodes with the training decoder's deterministic form: the center crop.
+    assert loaded.stages[-1].getFeaturesDecoder() == ImageDecoder(16, scale=(0.6, 1.0), ratio=(0.8, 1.25),
+                                                                  flip=False, crop="center")
+    test = job.read_images(spark, str(digit_files))[1]
+    accuracy = loaded.transform(test).select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
+    assert accuracy == pytest.approx(summary["accuracy"])
+
+
+@pytest.mark.parametrize("case", ["no_decoder", "eval_size", "not_callable"])
+def test_bad_image_input_is_refused_before_training(spark, job, digit_files, case: str) -> None:  # type: ignore[no-untyped-def]
+    from pyspark.ml.feature import SQLTransformer
+
+    train = SQLTransformer(statement=job.LABEL_SQL).transform(job.read_images(spark, str(digit_files))[0])
+    kwargs: dict[str, Any] = {"model": job.small_cnn, "featuresCol": "content", "numWorkers": 2, "runConfig": FAST}
+    if case == "not_callable":
+        with pytest.raises(ConfigError, match=r"featuresDecoder must be a per-sample function.*got int"):
+            TorchEstimator(featuresDecoder=224, **kwargs)
+        return
+    if case == "eval_size":
+        kwargs.update(featuresDecoder=ImageDecoder(16), evalDecoder=ImageDecoder(24, crop="center"))
+    expected = {
+        "no_decoder": r"featuresCol='content' holds images \(binary\); set featuresDecoder",
+        "eval_size": r"evalDecoder gives arrays of shape \(3, 24, 24\) and featuresDecoder \(3, 16, 16\)",
+    }[case]
+    with pytest.raises(ConfigError, match=expected):
+        TorchEstimator(**kwargs).fit(train)
