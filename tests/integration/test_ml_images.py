@@ -57,8 +57,16 @@ def test_the_image_pipeline_fits_on_two_ranks_scores_held_out_images_and_reloads
     assert loaded.stages[-1].getFeaturesDecoder() == ImageDecoder(16, scale=(0.6, 1.0), ratio=(0.8, 1.25),
                                                                   flip=False, crop="center")
     test = job.read_images(spark, str(digit_files))[1]
-    accuracy = loaded.transform(test).select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
-    assert accuracy == pytest.approx(summary["accuracy"])
+    scored = loaded.transform(test).select("id", "label", "prediction").orderBy("id").collect()
+    assert sum(r["prediction"] == r["label"] for r in scored) / len(scored) == pytest.approx(summary["accuracy"])
+
+    # The same model scores the same files read by Spark's image source (a struct of raw pixels):
+    # decoded to the same RGB pixels, they get the same predictions.
+    images = spark.read.format("image").option("recursiveFileLookup", "true").load(str(digit_files)).coalesce(2)
+    images = images.withColumn("id", F.regexp_extract("image.origin", r"(\d+)\.png$", 1).cast("int"))
+    model = loaded.stages[-1].copy().setFeaturesCol("image")
+    by_struct = model.transform(images.where(F.col("id") % 5 == 0)).select("id", "prediction").orderBy("id").collect()
+    assert [(r["id"], r["prediction"]) for r in by_struct] == [(r["id"], r["prediction"]) for r in scored]
 
 
 @pytest.mark.parametrize("case", ["no_decoder", "eval_size", "not_callable"])

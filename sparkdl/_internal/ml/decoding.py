@@ -64,6 +64,8 @@ def decode_values(decoder: Any, values: Sequence[Any], col: str, what: str = "fe
     for i, value in enumerate(values):
         if value is None:
             raise ConfigError(f"featuresCol={col!r} is null in a row to decode; drop or fill those rows first")
+        if hasattr(value, "asDict"):  # a struct collected to the driver (a pyspark Row): as the loader gives it
+            value = value.asDict()
         try:
             out.append(np.asarray(decoder(value, np.random.default_rng(0))))
         except ConfigError:
