@@ -12,6 +12,9 @@ samples that process tree's memory (RSS of the process and its workers, summed, 
   the same function, one decode worker per core.
 - **sparkdl, ImageDecoder**: sparkdl's own decoder (the same crop and flip, decoded at a smaller
   scale in the DCT domain when the crop allows, uint8 throughout).
+- **sparkdl, DALI** (when NVIDIA DALI is installed: ``SPARKDL_WITH_DALI=1 bash tools/bootstrap.sh``):
+  ``ImageDecoder(224, engine="dali")``, DALI's CPU operators on each batch, the same regions and
+  flips.
 - **Petastorm converter** (``--classic-python``, the classic stack's interpreter):
   ``make_spark_converter`` of the same DataFrame + ``make_torch_dataloader`` with a
   ``TransformSpec`` running the user's function.
@@ -47,7 +50,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-WAYS = ("dataloader", "sparkdl-user-threads", "sparkdl-user-processes", "sparkdl-imagedecoder")
+WAYS = ("dataloader", "sparkdl-user-threads", "sparkdl-user-processes", "sparkdl-imagedecoder", "sparkdl-dali")
 
 
 def user_decode(data: bytes, rng: Any) -> Any:
@@ -119,7 +122,8 @@ def way_dataloader(files: list[str], batch: int, epochs: int) -> dict[str, float
 def way_sparkdl(dataset: str, batch: int, epochs: int, decoder: str, kind: str) -> dict[str, float]:
     import sparkdl
 
-    fn = sparkdl.ImageDecoder(224) if decoder == "imagedecoder" else user_decode
+    fns = {"imagedecoder": sparkdl.ImageDecoder(224), "dali": sparkdl.ImageDecoder(224, engine="dali")}
+    fn = fns.get(decoder, user_decode)
     ds = sparkdl.Dataset(dataset)
     loader = ds.loader(batch, columns=["content"], decode={"content": fn}, decode_in=kind, seed=0)
 
@@ -200,7 +204,7 @@ def child(argv: list[str]) -> None:
     elif way == "ray":
         out = way_ray(where, batch, epochs)
     else:
-        decoder = "imagedecoder" if way.endswith("imagedecoder") else "user"
+        decoder = way.rsplit("-", 1)[1] if way.endswith(("imagedecoder", "dali")) else "user"
         out = way_sparkdl(where, batch, epochs, decoder, "processes" if way.endswith("processes") else "threads")
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -285,8 +289,13 @@ def main() -> int:
     sys.path[:0] = [str(ROOT / "tests" / "resources")]
     with tempfile.TemporaryDirectory(prefix="bench-images-") as tmp:
         images, dataset = prepare(Path(tmp), args.images)
+        ways = args.ways.split(",")
+        if "sparkdl-dali" in ways and subprocess.run([sys.executable, "-c", "import nvidia.dali"],
+                                                     capture_output=True).returncode != 0:
+            print("sparkdl-dali: left out, NVIDIA DALI is not installed (SPARKDL_WITH_DALI=1 bash tools/bootstrap.sh)")
+            ways.remove("sparkdl-dali")
         runs: list[tuple[str, str, str]] = [(w, sys.executable, images if w == "dataloader" else dataset)
-                                            for w in args.ways.split(",")]
+                                            for w in ways]
         if args.classic_python:
             runs.append(("petastorm", args.classic_python, images))
         if args.ray_python:

@@ -13,6 +13,8 @@
 #                          in SPARKDL_WHEEL_CACHE, default ~/.cache/sparkdl/wheels); default 0
 #   SPARKDL_WITH_TENSORFLOW 1: also install TensorFlow's CPU build and tf-keras (modern stack only: the
 #                          pins are in constraints/modern.txt; about 1.3 GB); default 0
+#   SPARKDL_WITH_DALI      1: also install NVIDIA DALI (ImageDecoder(engine="dali"); modern stack only: the
+#                          pins are in constraints/modern.txt; about 1 GB); default 0
 #   SPARKDL_WITH_CHROMIUM  1: also install Debian's chromium, as root (tools/check_site.py renders the
 #                          documentation site in it; tools/test sets it for its docs step); default 0
 #   SPARKDL_TORCH          torch requirement to install first (default: torch==2.13.0, the CPU build here)
@@ -33,6 +35,7 @@ CONSTRAINTS="$ROOT/constraints/$STACK.txt"
 WITH_HOROVOD="${SPARKDL_WITH_HOROVOD:-0}"
 WITH_TENSORFLOW="${SPARKDL_WITH_TENSORFLOW:-0}"
 WITH_CHROMIUM="${SPARKDL_WITH_CHROMIUM:-0}"
+WITH_DALI="${SPARKDL_WITH_DALI:-0}"
 TORCH_REQ="${SPARKDL_TORCH:-torch==2.13.0}"
 TORCH_INDEX="${SPARKDL_TORCH_INDEX:-}"
 PYTHON="${SPARKDL_PYTHON:-python3}"
@@ -130,6 +133,16 @@ ensure_tensorflow() {
   echo "$want" > "$VENV/.sparkdl-tensorflow"
 }
 
+ensure_dali() {
+  [ "$WITH_DALI" = "1" ] && [ "$STACK" = "modern" ] || return 0
+  local want
+  want="$(grep -E '^nvidia-dali-cuda120==' "$CONSTRAINTS")"
+  [ "$(cat "$VENV/.sparkdl-dali" 2>/dev/null)" = "$want" ] && return 0
+  log "installing NVIDIA DALI in $VENV"
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" nvidia-dali-cuda120 >&2
+  echo "$want" > "$VENV/.sparkdl-dali"
+}
+
 ensure_horovod() {
   # It keeps its own stamp (Horovod, torch and Python versions): a rerun costs one Python start.
   [ "$WITH_HOROVOD" = "1" ] || return 0
@@ -141,6 +154,7 @@ ensure_netns_tools
 ensure_chromium
 ensure_venv
 ensure_tensorflow
+ensure_dali
 # Read by tools/build-horovod.sh, so that a venv gets its own stack's pins.
 [ "$(cat "$VENV/.sparkdl-stack" 2>/dev/null)" = "$STACK" ] || echo "$STACK" > "$VENV/.sparkdl-stack"
 ensure_horovod

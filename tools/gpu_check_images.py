@@ -64,6 +64,7 @@ def image_checks(cuda: bool, tmp: Path) -> list[Result]:
         return f"{len(a)} batches of uint8 {tuple(a[0]['content'].shape)}: the same pixels with 1 and 4 threads"
 
     results.append(_attempt("image decode on the CPU (Pillow, threads)", cpu_same))
+    results.append(_dali_check(cuda, ds, cpu_decoder))
     names = ["nvJPEG decode against the CPU decoder", "nvJPEG images per second against the CPU decoder",
              "ResNet-18 at 224 px fed by nvJPEG, data wait", "ResNet-50 at 224 px fed by nvJPEG, data wait"]
     if not cuda:
@@ -147,6 +148,41 @@ def image_checks(cuda: bool, tmp: Path) -> list[Result]:
     results.append(_attempt(names[2], lambda: fed_resnet(18)))
     results.append(_attempt(names[3], lambda: fed_resnet(50)))
     return results
+
+
+def _dali_check(cuda: bool, ds: Any, cpu_decoder: Any) -> Result:
+    """DALI's GPU engine (``ImageDecoder(engine="dali", device="cuda")``): the CPU decoder's crops
+    and flips, on the GPU, and its rate."""
+    import importlib.util
+
+    import sparkdl
+
+    name = "DALI decode on the GPU against the CPU decoder"
+    if not cuda:
+        return ("SKIP", name, "needs CUDA")
+    if importlib.util.find_spec("nvidia.dali") is None:
+        return ("SKIP", name, "needs NVIDIA DALI (pip install 'sparkdl[dali]')")
+
+    def check() -> str:
+        dali = sparkdl.ImageDecoder(224, engine="dali", device="cuda")
+        cpu = ds.loader(64, decode={"content": cpu_decoder}, seed=9, shuffle=False)
+        gpu = ds.loader(64, decode={"content": dali}, seed=9, shuffle=False)
+        worst = 0.0
+        for k, (x, y) in enumerate(zip(cpu, gpu, strict=True)):
+            if k == 4:
+                break
+            if not y["content"].is_cuda or y["content"].shape != x["content"].shape:
+                raise AssertionError(f"DALI batch {tuple(y['content'].shape)} on {y['content'].device}")
+            worst = max(worst, (y["content"].cpu().float() - x["content"].float()).abs().mean().item())
+        cpu.close()
+        if worst > 12:
+            raise AssertionError(f"mean absolute difference {worst:.2f} levels (> 12): other crops or flips?")
+        _rate(gpu)
+        rate, _ = _rate(gpu, 2)
+        gpu.close()
+        return f"the CPU decoder's crops (mean |DALI - CPU| {worst:.2f} levels); {rate:,.0f} images/s"
+
+    return _attempt(name, check)
 
 
 def _attempt(name: str, check: Any) -> Result:

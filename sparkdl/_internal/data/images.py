@@ -71,6 +71,10 @@ class ImageDecoder:
         device: ``"cuda"`` (or ``"cuda:N"``) to decode JPEGs with nvJPEG on that GPU and crop
             them there, a batch at a time; ``"cpu"``: the same batched path on the CPU (Pillow
             decodes); ``None`` (the default): one image at a time on the loader's decode workers.
+        engine: ``None`` (the default): sparkdl's decoders above; ``"dali"``: NVIDIA DALI decodes,
+            crops and resizes each batch (on the CPU, or on ``device="cuda"`` with nvJPEG), with
+            the regions and flips drawn as every engine draws them. Samples decoded one at a time
+            (``TorchModel.transform``) use sparkdl's decoder.
 
     Raises:
         ConfigError: a setting is out of range.
@@ -84,6 +88,7 @@ class ImageDecoder:
     center_fraction: float = 0.875
     max_pixels: int = PILLOW_MAX_PIXELS
     device: str | None = None
+    engine: str | None = None
 
     def __post_init__(self) -> None:
         h, w = self.out_size
@@ -103,6 +108,10 @@ class ImageDecoder:
             raise ConfigError(f"ImageDecoder(max_pixels={self.max_pixels!r}): give a positive pixel count")
         if self.device is not None and not str(self.device).startswith(("cuda", "cpu")):
             raise ConfigError(f"ImageDecoder(device={self.device!r}): give 'cuda', 'cuda:N', 'cpu' or None")
+        if self.engine not in (None, "dali"):
+            raise ConfigError(f"ImageDecoder(engine={self.engine!r}): give None (sparkdl's own) or 'dali'")
+        if self.engine == "dali" and self.device is None:
+            object.__setattr__(self, "device", "cpu")  # DALI decodes batches: on the CPU unless told
 
     @property
     def out_size(self) -> tuple[int, int]:
@@ -232,6 +241,12 @@ class ImageDecoder:
 
         from sparkdl._internal.data.image_batches import crop_batch, nvjpeg
 
+        if self.engine == "dali":
+            from sparkdl._internal.data.dali_engine import check_dali, dali_decode_batch
+            from sparkdl._internal.data.samples import default_workers
+
+            check_dali()
+            return dali_decode_batch(self, values, rngs, default_workers(), BadImage)
         device = torch.device(self.device or "cuda")
         images: list[torch.Tensor | None] = [None] * len(values)
         bad: dict[int, Exception] = {}

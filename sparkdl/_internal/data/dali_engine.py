@@ -1,0 +1,129 @@
+"""NVIDIA DALI as the engine of :class:`sparkdl.ImageDecoder` (``engine="dali"``): a batch of
+encoded images decoded, cropped, resized and flipped by one DALI pipeline, on the CPU (DALI's
+CPU operators, no GPU needed) or on a GPU (``device="cuda"``: nvJPEG through DALI's ``mixed``
+decoder, the rest on the GPU).
+
+The crops are not DALI's own random ones: each sample's region and flip are drawn by
+:meth:`ImageDecoder.region` from the sample's generator, the draws of every other engine, and
+handed to the pipeline per sample (an external source). So the DALI engine keeps what the loader
+promises: the same crops for the same seed whatever the workers, and a resumed epoch sees the
+crops it would have seen. The pixels are DALI's resampling of those crops (its antialiased
+linear filter), within a few levels of the CPU engine's.
+
+One pipeline per decoder, output size, device and decode thread (DALI pipelines are not shared
+between threads), built on first use; DALI's ``max_batch_size`` grows to the largest batch seen.
+A batch DALI refuses (a corrupt file) is decoded again one image at a time, to name the sample.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from sparkdl._internal.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = ["check_dali", "dali_decode_batch"]
+
+_LOCAL = threading.local()
+_INSTALL = "pip install nvidia-dali-cuda120 (CPU operators need no GPU; the GPU path needs CUDA 12)"
+
+
+def check_dali() -> None:
+    """ConfigError unless DALI imports, saying what to install."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"ImageDecoder(engine='dali') needs NVIDIA DALI ({exc}): {_INSTALL}") from None
+
+
+def _pipeline(size: tuple[int, int], device: str, batch: int, threads: int) -> Any:
+    """This thread's pipeline for ``size`` on ``device``, for batches of up to ``batch``."""
+    key = (size, device)
+    pipes: dict[tuple[Any, ...], Any] = _LOCAL.__dict__.setdefault("pipes", {})
+    built = pipes.get(key)
+    if built is not None and built[1] >= batch:
+        return built[0]
+    from nvidia.dali import fn, pipeline_def, types
+
+    on_gpu = device.startswith("cuda")
+    device_id = (int(device.split(":")[1]) if ":" in device else 0) if on_gpu else None
+    out_h, out_w = size
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, prefetch_queue_depth=1)
+    def crops() -> Any:
+        encoded = fn.external_source(name="encoded", dtype=types.UINT8)
+        anchor = fn.external_source(name="anchor", dtype=types.FLOAT)  # (x, y) of each region, pixels
+        shape = fn.external_source(name="shape", dtype=types.FLOAT)  # (w, h)
+        flip = fn.external_source(name="flip", dtype=types.INT32)
+        images = fn.decoders.image_slice(
+            encoded, anchor, shape, device="mixed" if on_gpu else "cpu", output_type=types.RGB,
+            axis_names="WH", normalized_anchor=False, normalized_shape=False,
+        )
+        images = fn.resize(images, resize_x=out_w, resize_y=out_h, antialias=True, dtype=types.UINT8)
+        images = fn.flip(images, horizontal=flip)
+        return fn.transpose(images, perm=[2, 0, 1])
+
+    pipe = crops()
+    pipe.build()
+    pipes[key] = (pipe, batch)
+    return pipe
+
+
+def _run(pipe: Any, values: Sequence[Any], regions: Sequence[tuple[int, int, int, int, bool]],
+         device: str) -> list[torch.Tensor]:
+    import numpy as np
+    import torch
+
+    pipe.feed_input("encoded", [np.frombuffer(bytes(v), dtype=np.uint8) for v in values])
+    pipe.feed_input("anchor", [np.array(r[:2], dtype=np.float32) for r in regions])
+    pipe.feed_input("shape", [np.array(r[2:4], dtype=np.float32) for r in regions])
+    pipe.feed_input("flip", [np.array(int(r[4]), dtype=np.int32) for r in regions])
+    (out,) = pipe.run()
+    if device.startswith("cuda"):
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        tensor = out.as_tensor()  # one output size: a dense [n, 3, H, W] on the GPU
+        batch = torch.empty(tuple(tensor.shape()), dtype=torch.uint8, device=device)
+        feed_ndarray(tensor, batch, cuda_stream=torch.cuda.current_stream(batch.device))
+        return list(batch.unbind(0))
+    return [torch.from_numpy(np.array(out.at(i))) for i in range(len(values))]
+
+
+def dali_decode_batch(decoder: Any, values: Sequence[Any], rngs: Sequence[np.random.Generator], threads: int,
+                      bad_image: type[Exception]) -> tuple[list[torch.Tensor | None], dict[int, Exception]]:
+    """``decoder``'s batch through DALI: each sample's ``uint8 [3, H, W]`` (``None`` where it
+    failed) and the failures by position, as ``bad_image`` errors. The region of every sample is
+    drawn first, from its size (read from its header by Pillow, without decoding) and its generator."""
+    device = str(decoder.device or "cpu")
+    out: list[torch.Tensor | None] = [None] * len(values)
+    bad: dict[int, Exception] = {}
+    good: list[int] = []
+    regions = []
+    for i, value in enumerate(values):
+        try:
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise bad_image(f"engine='dali' takes encoded images (a binary column), got {type(value).__name__}")
+            width, height = decoder._open(value).size  # Pillow reads the header only; checks max_pixels
+            regions.append(decoder.region(width, height, rngs[i]))
+            good.append(i)
+        except Exception as e:
+            bad[i] = e
+    if not good:
+        return out, bad
+    pipe = _pipeline(decoder.out_size, device, max(len(good), 1), threads)
+    try:
+        for i, img in zip(good, _run(pipe, [values[i] for i in good], regions, device), strict=True):
+            out[i] = img
+    except Exception:
+        # One image DALI refuses fails the whole batch: decode them one by one to name it.
+        for i, region in zip(good, regions, strict=True):
+            try:
+                out[i] = _run(pipe, [values[i]], [region], device)[0]
+            except Exception as e:
+                bad[i] = bad_image(f"DALI cannot decode the image ({type(e).__name__}: {str(e).splitlines()[0]})")
+    return out, bad

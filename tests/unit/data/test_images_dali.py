@@ -1,0 +1,76 @@
+"""ImageDecoder(engine="dali"): NVIDIA DALI's CPU operators decode, crop and resize each batch, with
+the regions and flips drawn as sparkdl's own decoder draws them, so the loader's promises hold
+with DALI too: the same pixels for the same seed, the crops of the CPU engine, bad samples named
+or skipped. Skipped, with the reason, where DALI is not installed (SPARKDL_WITH_DALI=0); its GPU
+path is a check of tools/gpu-check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from resources.photos import photos
+from test_images import _bad_samples, _write
+
+import sparkdl
+from sparkdl import ConfigError, Dataset, DatasetError, ImageDecoder
+
+pytest.importorskip("nvidia.dali", reason="NVIDIA DALI is not installed (tools/bootstrap.sh with SPARKDL_WITH_DALI=1)")
+
+DALI = ImageDecoder(48, engine="dali")
+
+
+@pytest.fixture(scope="module")
+def photo_ds(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    return _write(tmp_path_factory.mktemp("photos"), list(photos(40, seed=4)))
+
+
+def _images(loader: sparkdl._internal.data.loader.Loader) -> dict[int, torch.Tensor]:
+    return {label: img for batch in loader for label, img in zip(batch["label"].tolist(), batch["content"], strict=True)}
+
+
+def test_dali_batches_are_the_plain_loaders_with_the_cpu_engines_crops(photo_ds: Dataset) -> None:
+    plain = [b["label"].tolist() for b in photo_ds.loader(10, seed=3)]
+    runs = [list(photo_ds.loader(10, seed=3, decode={"content": DALI})) for _ in range(2)]
+    assert [b["label"].tolist() for b in runs[0]] == plain
+    for a, b in zip(*runs, strict=True):  # the same seed: the same pixels
+        assert a["content"].dtype == torch.uint8 and a["content"].shape == (10, 3, 48, 48)
+        assert torch.equal(a["content"], b["content"])
+    # The same regions and flips as sparkdl's decoder: each image is close to the CPU engine's
+    # (DALI resamples the crop its own way), and much closer than to its mirror image.
+    cpu = _images(photo_ds.loader(10, seed=3, decode={"content": ImageDecoder(48)}))
+    dali = {label: img for batch in runs[0] for label, img in zip(batch["label"].tolist(), batch["content"], strict=True)}
+    for label, img in dali.items():
+        ref = cpu[label].float()
+        near = (img.float() - ref).abs().mean()
+        assert near < 12, (label, float(near))
+        if not torch.equal(ref, ref.flip(-1)):
+            assert near < (img.float() - ref.flip(-1)).abs().mean()
+
+
+def test_dali_names_bad_samples_or_skips_them(tmp_path: Path) -> None:
+    contents: list[bytes | None] = list(photos(24, seed=2))
+    for i, data in _bad_samples().items():
+        contents[i] = data
+    ds = _write(tmp_path / "bad", contents, files=1)
+    with pytest.raises(DatasetError, match=r"row 20 \(row 20 of part-0.parquet, path=.*not an image Pillow can read"):
+        list(ds.loader(8, shuffle=False, decode={"content": DALI}, rank=1, world_size=2))
+    # A file cut short (row 5) is named by DALI itself, decoding the batch again image by image.
+    with pytest.raises(DatasetError, match=r"row 5 \(row 5 of part-0.parquet, path=.*DALI cannot decode the image"):
+        list(ds.loader(8, shuffle=False, decode={"content": DALI}))
+    loader = ds.loader(8, shuffle=False, decode={"content": DALI}, on_bad_sample="skip")
+    labels = [label for b in loader for label in b["label"].tolist()]
+    assert labels == [i for i in range(24) if i not in (5, 11, 20)] and len(loader) == 3 and loader.skipped == 3
+
+
+def test_dali_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"engine='opencv'"):
+        ImageDecoder(engine="opencv")
+    # DALI decodes batches: on the CPU unless a GPU is named; a decoder with a GPU keeps it.
+    assert DALI.batched and DALI.device == "cpu"
+    assert ImageDecoder(engine="dali", device="cuda:1").device == "cuda:1"
+    out, bad = DALI.decode_batch([{"data": b""}], [np.random.default_rng(0)])
+    assert out == [None] and isinstance(bad[0], sparkdl._internal.data.images.BadImage)
+    assert "engine='dali' takes encoded images (a binary column), got dict" in str(bad[0])
