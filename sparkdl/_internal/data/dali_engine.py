@@ -48,13 +48,17 @@ def _pipeline(size: tuple[int, int], device: str, batch: int, threads: int) -> A
     built = pipes.get(key)
     if built is not None and built[1] >= batch:
         return built[0]
-    from nvidia.dali import fn, pipeline_def, types
+    import importlib
+
+    # DALI's own annotations are narrower than its API (scalar types, argument inputs): untyped here.
+    dali: Any = importlib.import_module("nvidia.dali")
+    fn, types = dali.fn, dali.types
 
     on_gpu = device.startswith("cuda")
     device_id = (int(device.split(":")[1]) if ":" in device else 0) if on_gpu else None
     out_h, out_w = size
 
-    @pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, prefetch_queue_depth=1)
+    @dali.pipeline_def(batch_size=batch, num_threads=threads, device_id=device_id, prefetch_queue_depth=1)
     def crops() -> Any:
         encoded = fn.external_source(name="encoded", dtype=types.UINT8)
         anchor = fn.external_source(name="anchor", dtype=types.FLOAT)  # (x, y) of each region, pixels
