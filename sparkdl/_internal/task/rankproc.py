@@ -38,7 +38,7 @@ MAX_STACK_BYTES = 256 * 1024
 _DUMP_SETTLED_S = 0.1
 _FRAME = re.compile(r'\s*File "(?P<file>.+)", line (?P<line>\d+) in ')
 # The frame of sparkdl's rank process that calls the user's function: its callers are sparkdl's.
-_RUNNER = re.compile(r'\s*File ".*[/\\]sparkdl[/\\]rank[/\\]main\.py", line \d+ in _run$')
+_RUNNER = re.compile(r'\s*File ".*[/\\]sparkdl[/\\]_internal[/\\]rank[/\\]main\.py", line \d+ in _run$')
 
 
 def with_source(dump: str) -> str:

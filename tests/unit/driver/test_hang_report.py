@@ -100,3 +100,18 @@ def test_a_gang_of_1024_stopped_in_one_collective_reads_as_one_entry_with_one_st
     assert group.startswith("  ranks 1-511, 513-1023 (1022 ranks on 128 hosts"), group
     assert report.count("in all_reduce") == 1 and report.count("in barrier") == 1
     assert any(line.startswith("  rank 512 on h64 (pid 612)") for line in lines), report
+
+
+def test_a_ranks_stack_leaves_out_the_frames_of_sparkdl_that_called_the_function() -> None:
+    import sparkdl._internal.rank.main as rank_main
+    from sparkdl._internal.task.rankproc import with_source
+
+    # As faulthandler writes it in the rank: the user's frames, then the rank process's own,
+    # whose file is where this install keeps it (found by its module, wherever it moves).
+    dump = ("Current thread 0x0001 (most recent call first):\n"
+            '  File "/app/train.py", line 40 in train\n'
+            f'  File "{rank_main.__file__}", line 221 in _run\n'
+            f'  File "{rank_main.__file__}", line 183 in main\n')
+    shown = with_source(dump)
+    assert "/app/train.py" in shown and "the frames of sparkdl that called the function are not shown" in shown
+    assert rank_main.__file__ not in shown
