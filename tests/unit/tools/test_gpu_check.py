@@ -37,6 +37,7 @@ CUDA_ONLY = {
     "nvJPEG images per second against the CPU decoder",
     "ResNet-18 at 224 px fed by nvJPEG, data wait",
     "ResNet-50 at 224 px fed by nvJPEG, data wait",
+    "DALI decode on the GPU against the CPU decoder",
 }
 
 
