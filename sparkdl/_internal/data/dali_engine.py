@@ -102,7 +102,7 @@ def dali_decode_batch(decoder: Any, values: Sequence[Any], rngs: Sequence[np.ran
                       bad_image: type[Exception]) -> tuple[list[torch.Tensor | None], dict[int, Exception]]:
     """``decoder``'s batch through DALI: each sample's ``uint8 [3, H, W]`` (``None`` where it
     failed) and the failures by position, as ``bad_image`` errors. The region of every sample is
-    drawn first, from its size (read from its header by Pillow, without decoding) and its generator."""
+    drawn first, from its size (read from its header, without decoding) and its generator."""
     device = str(decoder.device or "cpu")
     out: list[torch.Tensor | None] = [None] * len(values)
     bad: dict[int, Exception] = {}
@@ -112,7 +112,7 @@ def dali_decode_batch(decoder: Any, values: Sequence[Any], rngs: Sequence[np.ran
         try:
             if not isinstance(value, (bytes, bytearray, memoryview)):
                 raise bad_image(f"engine='dali' takes encoded images (a binary column), got {type(value).__name__}")
-            width, height = decoder._open(value).size  # Pillow reads the header only; checks max_pixels
+            width, height = decoder.size_of(value)
             regions.append(decoder.region(width, height, rngs[i]))
             good.append(i)
         except Exception as e:

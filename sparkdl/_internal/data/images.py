@@ -209,6 +209,16 @@ class ImageDecoder:
         except Exception as e:
             raise BadImage(f"cannot decode the image ({type(e).__name__}: {e})") from e
 
+    def size_of(self, value: Any) -> tuple[int, int]:
+        """``(width, height)`` of an encoded image, read from its header without decoding it;
+        :class:`BadImage` for what is not one, or is past ``max_pixels``."""
+        header = _jpeg_header(value)
+        if header is not None:
+            self._check_pixels(header[1], header[0])
+            return header[1], header[0]
+        width, height = self._open(value).size
+        return int(width), int(height)
+
     def _open(self, value: Any) -> Any:
         from PIL import Image
 
