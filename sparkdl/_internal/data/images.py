@@ -210,8 +210,11 @@ class ImageDecoder:
             raise BadImage(f"cannot decode the image ({type(e).__name__}: {e})") from e
 
     def size_of(self, value: Any) -> tuple[int, int]:
-        """``(width, height)`` of an encoded image, read from its header without decoding it;
-        :class:`BadImage` for what is not one, or is past ``max_pixels``."""
+        """``(width, height)`` of an encoded image, read from its header without decoding it.
+
+        Raises:
+            ValueError: the value is not an image, or has more than ``max_pixels`` pixels.
+        """
         header = _jpeg_header(value)
         if header is not None:
             self._check_pixels(header[1], header[0])
