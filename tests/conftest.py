@@ -141,6 +141,23 @@ _started: list[tuple[str, tuple[tuple[str, str], ...]]] = []
 _unit_item: dict[str, str] = {}  # the unit test now running, if any: it may ask for no session
 
 
+def _wait_for_executors(session: Any, master: str, bound_s: float = 120) -> None:
+    """A ``local-cluster[N,...]`` session once its N executors have registered: tests that count
+    on the slots (a run's ``slot_wait_s`` is a few seconds in tests) must not race the executors'
+    start, which takes tens of seconds on a loaded 2-core machine."""
+    import re
+
+    m = re.match(r"local-cluster\[(\d+),", master)
+    if m is None:
+        return
+    want, deadline = int(m.group(1)), time.monotonic() + bound_s
+    tracker = session.sparkContext._jsc.sc().statusTracker()
+    while (have := len(tracker.getExecutorInfos()) - 1) < want:  # minus the driver
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{master}: {have} of {want} executors registered after {bound_s:.0f} s")
+        time.sleep(0.2)
+
+
 def _get_session(master: str, conf: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     from pyspark.sql import SparkSession
 
@@ -161,6 +178,7 @@ def _get_session(master: str, conf: dict[str, str] | None = None):  # type: igno
         builder = builder.config(k, v)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
+    _wait_for_executors(session, master)
     _current.update(key=key, session=session)
     _started.append(key)
     return session

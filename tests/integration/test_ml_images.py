@@ -7,6 +7,7 @@ training, naming the param. The job's command line is in tests/unit/jobs/test_jo
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ import sparkdl
 from sparkdl import ConfigError, ImageDecoder, TorchEstimator
 
 pytestmark = pytest.mark.spark
+# The decoder below travels to the executors inside the scoring UDF, pickled by pyspark's cloudpickle.
+pytest.importorskip("pyspark.cloudpickle").register_pickle_by_value(sys.modules[__name__])
 
 FAST = sparkdl.RunConfig(start_timeout_s=60, slot_wait_s=2, connect_timeout_s=20, kill_grace_s=20)
 
@@ -67,6 +70,43 @@ def test_the_image_pipeline_fits_on_two_ranks_scores_held_out_images_and_reloads
     model = loaded.stages[-1].copy().setFeaturesCol("image")
     by_struct = model.transform(images.where(F.col("id") % 5 == 0)).select("id", "prediction").orderBy("id").collect()
     assert [(r["id"], r["prediction"]) for r in by_struct] == [(r["id"], r["prediction"]) for r in scored]
+
+    # With spark.sparkdl.ml.decodeThreads=2 each task decodes on two threads (Together fails
+    # otherwise), while the model scores the chunk before: the same predictions, in row order.
+    model = loaded.stages[-1].copy()
+    model.setFeaturesDecoder(Together(model.getFeaturesDecoder()))
+    spark.conf.set("spark.sparkdl.ml.decodeThreads", "2")
+    try:
+        threaded = model.setInferenceBatchSize(64).transform(test)
+        threaded_rows = threaded.select("id", "prediction").orderBy("id").collect()
+    finally:
+        spark.conf.unset("spark.sparkdl.ml.decodeThreads")
+    assert [(r["id"], r["prediction"]) for r in threaded_rows] == [(r["id"], r["prediction"]) for r in scored]
+
+
+class Together:
+    """A decoder whose first call in a task waits (20 s at most) for a second call to be under way:
+    it decodes only where a task decodes on at least two threads at once, and fails otherwise."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.__setstate__({"inner": inner})
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"inner": self.inner}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.inner = state["inner"]
+        self.met, self.both = threading.Event(), threading.Barrier(2)
+
+    def __call__(self, value: Any, rng: Any) -> Any:
+        if not self.met.is_set():
+            try:
+                self.both.wait(timeout=20)
+            except threading.BrokenBarrierError:
+                raise RuntimeError("no other row was being decoded at the same time") from None
+            self.met.set()
+        return self.inner(value, rng)
 
 
 @pytest.mark.parametrize("case", ["no_decoder", "eval_size", "not_callable"])

@@ -73,8 +73,9 @@ class ImageDecoder:
             decodes); ``None`` (the default): one image at a time on the loader's decode workers.
         engine: ``None`` (the default): sparkdl's decoders above; ``"dali"``: NVIDIA DALI decodes,
             crops and resizes each batch (on the CPU, or on ``device="cuda"`` with nvJPEG), with
-            the regions and flips drawn as every engine draws them. Samples decoded one at a time
-            (``TorchModel.transform``) use sparkdl's decoder.
+            the regions and flips drawn as every engine draws them. In ``TorchModel.transform``
+            a decoder with ``device="cuda"`` decodes on the task's GPU, and on a task without
+            one, DALI on the CPU and nvJPEG's decoder as sparkdl's CPU decoder.
 
     Raises:
         ConfigError: a setting is out of range.

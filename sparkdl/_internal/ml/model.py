@@ -16,7 +16,7 @@ from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.ml.columns import check_features_type, features_expr
-from sparkdl._internal.ml.decoding import decode_values
+from sparkdl._internal.ml.decoding import decode_threads, decode_values
 from sparkdl._internal.ml.fit_plan import REGRESSION
 from sparkdl._internal.ml.modules import dump_module, load_module
 from sparkdl._internal.ml.params import ScoringParams
@@ -257,6 +257,7 @@ class TorchModel(Model, ScoringParams, Persistable, MLWritable, MLReadable["Torc
             features_col=features_col,
             vector_out=vector_out,
             decoder=decoder,
+            decode_threads=decode_threads(session.conf, spark_api.of(session).confs()) if decoder is not None else 1,
         )
         return dataset.withColumn(prediction_col, scoring_column(scorer, self._features(dataset)))
 

@@ -24,6 +24,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
-from sparkdl._internal.ml.decoding import decode_values
+from sparkdl._internal.ml.decoding import decode_batch_values, decode_values, scoring_decoder
 from sparkdl._internal.ml.fit_plan import CLASSIFICATION
 from sparkdl._internal.ml.modules import load_module
 from sparkdl._internal.ml.training import input_dtype, model_input
@@ -67,6 +68,7 @@ class Scorer:
     features_col: str
     vector_out: bool
     decoder: Any = None  # decodes each row's features (images) before the model
+    decode_threads: int = 1  # the threads each task decodes on (decoding.decode_threads)
 
     @property
     def return_type(self) -> str:
@@ -210,18 +212,18 @@ def _score_array(
 
     module, device, dtype = model
     n = len(arr)
-    x = _features_matrix(arr, scorer) if scorer.decoder is None else None
-    values = arr.to_pylist() if scorer.decoder is not None else None
+    starts = range(0, n, scorer.batch_rows)
+    if scorer.decoder is not None:  # decoded a model call's rows at a time: memory stays bounded
+        chunks = _decoded_ahead(scorer, arr.to_pylist(), starts, device)
+    else:
+        x = _features_matrix(arr, scorer)
+        chunks = (x[start : start + scorer.batch_rows] for start in starts)
     outs: list[np.ndarray] = []
     # Arrow's buffers are read-only and the model only reads its input: no copy, and no warning.
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for start in range(0, n, scorer.batch_rows):
-            if values is not None:  # decoded a model call's rows at a time: memory stays bounded
-                chunk = decode_values(scorer.decoder, values[start : start + scorer.batch_rows], scorer.features_col)
-            else:
-                chunk = cast(np.ndarray, x)[start : start + scorer.batch_rows]
-            xb = model_input(torch.from_numpy(chunk), device, dtype)
+        for chunk in chunks:
+            xb = model_input(torch.from_numpy(chunk) if isinstance(chunk, np.ndarray) else chunk, device, dtype)
             outs.append(_postprocess(module(xb), scorer).cpu().numpy())
     if scorer.vector_out:
         flat = (
@@ -233,6 +235,34 @@ def _score_array(
         offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width)
         return pa.ListArray.from_arrays(offsets, pa.array(flat.reshape(-1).astype(np.float32)))
     return pa.array(np.concatenate(outs) if outs else np.zeros(0, np.float64), type=pa.float64())
+
+
+_AHEAD: list[ThreadPoolExecutor] = []  # this Python worker's one thread decoding the next chunk
+_AHEAD_LOCK = threading.Lock()
+
+
+def _decoded_ahead(scorer: Scorer, values: list[Any], starts: range, device: torch.device) -> Iterator[Any]:
+    """The decoded chunks of ``values``, each decoded while the model runs on the one before (two
+    chunks in memory at most): one image at a time on ``scorer.decode_threads`` threads, or a chunk
+    at once by a decoder of whole batches on the task's device (nvJPEG, DALI)."""
+    with _AHEAD_LOCK:
+        if not _AHEAD:
+            _AHEAD.append(ThreadPoolExecutor(1, thread_name_prefix="sparkdl-decode-ahead"))
+        ahead = _AHEAD[0]
+    decoder = scoring_decoder(scorer.decoder, device)
+    batched = bool(getattr(decoder, "batched", False))
+
+    def decode(start: int) -> Any:
+        chunk = values[start : start + scorer.batch_rows]
+        if batched:
+            return decode_batch_values(decoder, chunk, scorer.features_col)
+        return decode_values(decoder, chunk, scorer.features_col, threads=scorer.decode_threads)
+
+    pending = ahead.submit(decode, starts[0]) if starts else None
+    for i in range(len(starts)):
+        chunk = cast("Future[Any]", pending).result()
+        pending = ahead.submit(decode, starts[i + 1]) if i + 1 < len(starts) else None
+        yield chunk
 
 
 def _postprocess(out: torch.Tensor, scorer: Scorer) -> torch.Tensor:

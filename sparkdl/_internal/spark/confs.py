@@ -50,6 +50,14 @@ MLFLOW = SparkConf(
     "`false`",
     "Log every run's metrics and final model to MLflow, unless `RunConfig.mlflow` says otherwise.",
 )
+DECODE_THREADS = SparkConf(
+    "spark.sparkdl.ml.decodeThreads",
+    "the cores a task has: `spark.task.cpus`; on GPU executors (`spark.executor.cores`, "
+    "`spark.executor.resource.gpu.amount` and `spark.task.resource.gpu.amount` set), the executor's cores "
+    "divided among the tasks its GPUs run at once",
+    "How many threads each `TorchModel.transform` task decodes its rows on, when the model has a "
+    "`featuresDecoder` (images). Read from the session when `transform` is called (`spark.conf.set`).",
+)
 TRUST_SAVED_MODELS = SparkConf(
     "spark.sparkdl.ml.trustSavedModels",
     "`false`",
@@ -58,4 +66,4 @@ TRUST_SAVED_MODELS = SparkConf(
     "since loading unpickles code. Same as `TorchModel.load(path, trusted=True)`.",
 )
 
-ALL = (RUN_DIR, CACHE_DIR, CHANNEL, CHANNEL_HOST, MLFLOW, TRUST_SAVED_MODELS)
+ALL = (RUN_DIR, CACHE_DIR, CHANNEL, CHANNEL_HOST, MLFLOW, TRUST_SAVED_MODELS, DECODE_THREADS)
