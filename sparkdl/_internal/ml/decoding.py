@@ -18,13 +18,13 @@ sets the number.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.data.images import ImageDecoder
+from sparkdl._internal.data.samples import one_torch_thread
 from sparkdl._internal.spark.confs import DECODE_THREADS
 
 if TYPE_CHECKING:
@@ -107,19 +107,6 @@ def decode_threads(session_conf: Any, spark_conf: Mapping[str, Any]) -> int:
     return max(task_cpus, cores // at_once)
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """This process's pool of ``threads`` decode threads (a Python worker serves many tasks)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(threads)
-        if pool is None:
-            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="sparkdl-decode")
-        return pool
-
-
 def decode_values(
     decoder: Any, values: Sequence[Any], col: str, what: str = "featuresDecoder", threads: int = 1
 ) -> np.ndarray:
@@ -140,8 +127,11 @@ def decode_values(
             raise _failed(what, i, col, exc) from exc
 
     if threads > 1 and len(values) > 1:
-        # map hands the results back in order and raises the first failure in row order.
-        out = list(_pool(threads).map(one, range(len(values)), values))
+        # Threads of this call only: none is left running in the process afterwards (a thread
+        # left behind in a driver or worker that forks later is a hazard). map hands the results
+        # back in order and raises the first failure in row order.
+        with ThreadPoolExecutor(threads, thread_name_prefix="sparkdl-decode", initializer=one_torch_thread) as pool:
+            out = list(pool.map(one, range(len(values)), values))
     else:
         out = [one(i, value) for i, value in enumerate(values)]
     for arr in out:

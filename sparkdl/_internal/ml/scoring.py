@@ -17,13 +17,14 @@ serve tasks of different GPUs one after the other.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -33,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
+from sparkdl._internal.data.samples import one_torch_thread
 from sparkdl._internal.ml.decoding import decode_batch_values, decode_values, scoring_decoder
 from sparkdl._internal.ml.fit_plan import CLASSIFICATION
 from sparkdl._internal.ml.modules import load_module
@@ -213,6 +215,7 @@ def _score_array(
     module, device, dtype = model
     n = len(arr)
     starts = range(0, n, scorer.batch_rows)
+    chunks: Generator[Any, None, None]
     if scorer.decoder is not None:  # decoded a model call's rows at a time: memory stays bounded
         chunks = _decoded_ahead(scorer, arr.to_pylist(), starts, device)
     else:
@@ -220,7 +223,7 @@ def _score_array(
         chunks = (x[start : start + scorer.batch_rows] for start in starts)
     outs: list[np.ndarray] = []
     # Arrow's buffers are read-only and the model only reads its input: no copy, and no warning.
-    with torch.inference_mode(), warnings.catch_warnings():
+    with contextlib.closing(chunks), torch.inference_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for chunk in chunks:
             xb = model_input(torch.from_numpy(chunk) if isinstance(chunk, np.ndarray) else chunk, device, dtype)
@@ -237,18 +240,13 @@ def _score_array(
     return pa.array(np.concatenate(outs) if outs else np.zeros(0, np.float64), type=pa.float64())
 
 
-_AHEAD: list[ThreadPoolExecutor] = []  # this Python worker's one thread decoding the next chunk
-_AHEAD_LOCK = threading.Lock()
-
-
-def _decoded_ahead(scorer: Scorer, values: list[Any], starts: range, device: torch.device) -> Iterator[Any]:
+def _decoded_ahead(
+    scorer: Scorer, values: list[Any], starts: range, device: torch.device
+) -> Generator[Any, None, None]:
     """The decoded chunks of ``values``, each decoded while the model runs on the one before (two
     chunks in memory at most): one image at a time on ``scorer.decode_threads`` threads, or a chunk
-    at once by a decoder of whole batches on the task's device (nvJPEG, DALI)."""
-    with _AHEAD_LOCK:
-        if not _AHEAD:
-            _AHEAD.append(ThreadPoolExecutor(1, thread_name_prefix="sparkdl-decode-ahead"))
-        ahead = _AHEAD[0]
+    at once by a decoder of whole batches on the task's device (nvJPEG, DALI). The thread that runs
+    ahead ends with the generator (closed by the caller), so no thread outlives a batch."""
     decoder = scoring_decoder(scorer.decoder, device)
     batched = bool(getattr(decoder, "batched", False))
 
@@ -258,11 +256,15 @@ def _decoded_ahead(scorer: Scorer, values: list[Any], starts: range, device: tor
             return decode_batch_values(decoder, chunk, scorer.features_col)
         return decode_values(decoder, chunk, scorer.features_col, threads=scorer.decode_threads)
 
-    pending = ahead.submit(decode, starts[0]) if starts else None
-    for i in range(len(starts)):
-        chunk = cast("Future[Any]", pending).result()
-        pending = ahead.submit(decode, starts[i + 1]) if i + 1 < len(starts) else None
-        yield chunk
+    ahead = ThreadPoolExecutor(1, thread_name_prefix="sparkdl-decode-ahead", initializer=one_torch_thread)
+    try:
+        pending = ahead.submit(decode, starts[0]) if starts else None
+        for i in range(len(starts)):
+            chunk = cast("Future[Any]", pending).result()
+            pending = ahead.submit(decode, starts[i + 1]) if i + 1 < len(starts) else None
+            yield chunk
+    finally:
+        ahead.shutdown(wait=True, cancel_futures=True)
 
 
 def _postprocess(out: torch.Tensor, scorer: Scorer) -> torch.Tensor:
