@@ -147,15 +147,14 @@ def _wait_for_executors(session: Any, master: str, bound_s: float = 120) -> None
     start, which takes tens of seconds on a loaded 2-core machine."""
     import re
 
+    from sparkdl._internal.cli.executors import _wait_for_executors as registered
+
     m = re.match(r"local-cluster\[(\d+),", master)
     if m is None:
         return
-    want, deadline = int(m.group(1)), time.monotonic() + bound_s
-    tracker = session.sparkContext._jsc.sc().statusTracker()
-    while (have := len(tracker.getExecutorInfos()) - 1) < want:  # minus the driver
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{master}: {have} of {want} executors registered after {bound_s:.0f} s")
-        time.sleep(0.2)
+    want = int(m.group(1))
+    if (have := registered(session.sparkContext, want, bound_s)) < want:
+        raise AssertionError(f"{master}: {have} of {want} executors registered after {bound_s:.0f} s")
 
 
 def _get_session(master: str, conf: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
