@@ -12,8 +12,9 @@ Where a test goes (the folder decides its tier and markers; see docs/contributin
 
 Spark allows one SparkContext per process. Tests ask for the session they need through
 ``spark_session(master, conf)``; a request for the same master and confs reuses the running
-session, another stops it and starts the new one. Tiers run in the order above, so the
-``local[2]`` session is shared by everything before the cluster tests.
+session, another stops it and starts the new one. Fixtures that start a session say which with
+``@needs_session(label)``, and the tests run grouped by it: the unit tier, then each session's
+tests (local[N] first), then those that start no session here, so that each starts once.
 
 Tests may run in parallel (``pytest -n 2``, pytest-xdist): each worker has its own Spark session,
 temp dirs and ports, and every process a worker starts carries its tag (``SPARKDL_TEST_TAG``), so
@@ -167,7 +168,9 @@ def _get_session(master: str, conf: dict[str, str] | None = None):  # type: igno
         )
     key = (master, tuple(sorted((conf or {}).items())))
     if _current.get("key") == key:
-        return _current["session"]
+        session = _current["session"]
+        _wait_for_executors(session, master)  # a test before may have killed one (Spark starts another)
+        return session
     old = _current.get("session")
     if old is not None:
         old.stop()  # type: ignore[attr-defined]
@@ -183,6 +186,71 @@ def _get_session(master: str, conf: dict[str, str] | None = None):  # type: igno
     return session
 
 
+_SESSION_LABEL = "_sparkdl_session_label"
+# The local-cluster most cluster tests share: two executors of one core each.
+LOCAL_CLUSTER, LOCAL_CLUSTER_CONF = "local-cluster[2,1,1024]", {"spark.executor.memory": "512m"}
+
+
+def needs_session(label: str | Callable[[Any], str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declares the Spark session a fixture asks ``spark_session`` for: ``label`` names its master
+    and confs (tests whose fixtures give one label share a session), or is a function of the
+    fixture's param. Put it under ``@pytest.fixture``. Collection runs the tests of one label
+    together (``_by_session``), so that each configuration starts once; a fixture without it still
+    works, at the price of the restarts that the summary lists."""
+
+    def mark(func: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(func, _SESSION_LABEL, label)
+        return func
+
+    return mark
+
+
+def session_label(item: pytest.Item) -> str | None:
+    """The session ``item`` runs under: the label of a fixture it asks for itself, else of one its
+    fixtures ask for (a module's dataset written on ``spark``); None when it starts no session."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    direct, indirect = None, None
+    for name in item.fixturenames:
+        defs = info.name2fixturedefs.get(name)
+        label = getattr(defs[-1].func, _SESSION_LABEL, None) if defs else None
+        if callable(label):
+            callspec = getattr(item, "callspec", None)
+            label = label(callspec.params.get(name) if callspec else None)
+        if label is None:
+            continue
+        if name in info.argnames:
+            direct = label
+        else:
+            indirect = indirect or label
+    return direct or indirect
+
+
+def _by_session(items: list[pytest.Item], tiers: dict[str, str]) -> None:
+    """Sorts ``items`` (in tier order) so that each session starts once: the unit tests, then the
+    tests of each session label, the ``local[N]`` ones first and each label in the order it first
+    comes, then the tests that start no session here (they run programs: jobs, notebooks, servers,
+    clusters of their own). Within a label, tests keep their order, so a module's tests stay
+    together; a module whose tests need two sessions sets up its module fixtures once per label."""
+    labels = {item.nodeid: session_label(item) for item in items}
+    first: dict[str, int] = {}
+    for item in items:
+        if (label := labels[item.nodeid]) is not None:
+            first.setdefault(label, len(first))
+    index = {item.nodeid: i for i, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple[int, int, int]:
+        label = labels[item.nodeid]
+        if tiers[item.nodeid] == "unit":
+            return (0, 0, index[item.nodeid])
+        if label is None:
+            return (3, 0, index[item.nodeid])
+        return (2 if label.startswith("local-cluster") else 1, first[label], index[item.nodeid])
+
+    items.sort(key=key)
+
+
 @pytest.fixture(scope="session")
 def spark_session() -> Iterator[Callable[..., object]]:
     """A factory: ``spark_session("local[2]")`` or ``spark_session("local-cluster[2,1,1024]", conf)``."""
@@ -194,9 +262,27 @@ def spark_session() -> Iterator[Callable[..., object]]:
 
 
 @pytest.fixture(scope="module")
+@needs_session("local[2]")
 def spark(spark_session):  # type: ignore[no-untyped-def]
     """The shared local[2] session."""
     return spark_session("local[2]")
+
+
+@pytest.fixture(scope="module")
+def any_spark(spark_session):  # type: ignore[no-untyped-def]
+    """The session running now, whatever its master, else the shared local[2] one: for a module
+    fixture that only writes a small dataset or trains a reference, so that it does not pull the
+    module's tests that run on another session back to local[2]. Tests ask for their own session
+    fixture first (``spark``, ``local_cluster``), so that it is the one running when this is made."""
+    session = _current.get("session")
+    return session if session is not None else spark_session("local[2]")
+
+
+@pytest.fixture(scope="module")
+@needs_session(LOCAL_CLUSTER)
+def local_cluster(spark_session):  # type: ignore[no-untyped-def]
+    """The shared ``local-cluster[2,1,1024]`` session: two executors, one task slot each."""
+    return spark_session(LOCAL_CLUSTER, LOCAL_CLUSTER_CONF)
 
 
 def _group_of(item: pytest.Item, tier: str) -> str:
@@ -225,10 +311,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         def key(item: pytest.Item) -> tuple[int, ...]:
             shared = _group_of(item, tiers[item.nodeid]) in _SHARED_GROUPS
             return (0 if shared else 1, _PARALLEL_ORDER.index(tiers[item.nodeid]), 1 if item.get_closest_marker("cluster") else 0)
+        items.sort(key=key)
     else:
-        def key(item: pytest.Item) -> tuple[int, ...]:
-            return (TIERS.index(tiers[item.nodeid]), 1 if item.get_closest_marker("cluster") else 0)
-    items.sort(key=key)
+        items.sort(key=lambda item: TIERS.index(tiers[item.nodeid]))
+        _by_session(items, tiers)
 
     stack = current_stack()
     left: dict[str, list[Any]] = {}

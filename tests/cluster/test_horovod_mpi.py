@@ -33,7 +33,7 @@ except sparkdl.BackendUnavailableError as exc:
     pytest.skip(f"no Open MPI 4 here: {exc}", allow_module_level=True)
 
 # The Gloo tests' training function (pickled by value, as its module asks), for the same model and data.
-from conftest import path_without  # noqa: E402
+from conftest import LOCAL_CLUSTER, LOCAL_CLUSTER_CONF, needs_session, path_without  # noqa: E402
 from resources.horovod_train import CFG, train_horovod  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -45,16 +45,16 @@ EPOCHS, BATCH, SAVE_EVERY = 2, 16, 3
 SECRET = bytes(range(100, 132))
 
 
-CLUSTER = pytest.param("local-cluster[2,1,1024]", marks=pytest.mark.cluster)
+CLUSTER = pytest.param(LOCAL_CLUSTER, marks=pytest.mark.cluster)
 # The faults run where the ranks are in executors of their own, as on a cluster; on local[2] a
 # SIGKILLed rank is the report test's, which reruns nothing.
 ON_A_CLUSTER = pytest.mark.parametrize("session", [CLUSTER], indirect=True)
 
 
 @pytest.fixture(params=["local[2]", CLUSTER])
+@needs_session(lambda master: master)  # the shared local[2] and local-cluster sessions
 def session(request, spark_session):  # type: ignore[no-untyped-def]
-    conf = {"spark.executor.memory": "512m"} if request.param.startswith("local-cluster") else None
-    return spark_session(request.param, conf)
+    return spark_session(request.param, LOCAL_CLUSTER_CONF if request.param == LOCAL_CLUSTER else None)
 
 
 @pytest.fixture(autouse=True)
@@ -252,6 +252,7 @@ def test_a_killed_rank_on_the_driver_ends_the_mpi_job_with_the_report(no_leaks) 
 
 
 @pytest.fixture
+@needs_session("local-cluster[2,1,1024] without Open MPI on the executors' PATH")
 def executors_without_mpi(spark_session, tmp_path):  # type: ignore[no-untyped-def]
     """local-cluster whose executors' PATH lacks Open MPI (the driver has it)."""
     return spark_session("local-cluster[2,1,1024]", {"spark.executor.memory": "512m",

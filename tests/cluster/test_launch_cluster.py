@@ -15,6 +15,7 @@ from typing import Any
 import cloudpickle
 import psutil
 import pytest
+from conftest import needs_session
 
 import sparkdl
 
@@ -37,8 +38,8 @@ def _gpu_conf(script: str, per_task: int) -> dict[str, str]:
 
 
 @pytest.fixture
-def cluster(spark_session):  # type: ignore[no-untyped-def]
-    return spark_session("local-cluster[2,1,1024]", {"spark.executor.memory": "512m"})
+def cluster(local_cluster):  # type: ignore[no-untyped-def]
+    return local_cluster
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +48,13 @@ def gpu_script(fake_gpus):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
+@needs_session("local-cluster[2,2,1024] with two fake GPUs per executor, one per task")
 def gpu_cluster(spark_session, gpu_script):  # type: ignore[no-untyped-def]
     return spark_session("local-cluster[2,2,1024]", _gpu_conf(gpu_script, 1))
 
 
 @pytest.fixture
+@needs_session("local-cluster[2,2,1024] with two fake GPUs per executor, two per task")
 def two_gpus_per_task(spark_session, gpu_script):  # type: ignore[no-untyped-def]
     return spark_session("local-cluster[2,2,1024]", _gpu_conf(gpu_script, 2))
 

@@ -20,6 +20,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
+from conftest import needs_session
 
 from sparkdl import TorchModel
 
@@ -61,17 +62,20 @@ def _executor_stderr(app_id: str) -> dict[str, str]:
     return {p.parent.name: p.read_text(errors="replace") for p in files}
 
 
-def test_fractional_gpus_each_task_its_address_one_load_per_worker(
-    spark_session, fake_gpus, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
-    conf = {
+@pytest.fixture
+@needs_session("local-cluster[2,4,1024] with one fake GPU per executor, a quarter per task")
+def quarter_gpus(spark_session, fake_gpus):  # type: ignore[no-untyped-def]
+    return spark_session("local-cluster[2,4,1024]", {
         "spark.worker.resource.gpu.amount": "1",
         "spark.worker.resource.gpu.discoveryScript": fake_gpus(1),
         "spark.executor.resource.gpu.amount": "1",
         "spark.task.resource.gpu.amount": "0.25",
         "spark.executor.memory": "512m",
-    }
-    spark = spark_session("local-cluster[2,4,1024]", conf)
+    })
+
+
+def test_fractional_gpus_each_task_its_address_one_load_per_worker(quarter_gpus, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spark = quarter_gpus
     log_dir = tmp_path / "log"
     log_dir.mkdir()
     rng = np.random.default_rng(2)

@@ -23,6 +23,7 @@ from typing import Any
 
 import cloudpickle
 import pytest
+from conftest import needs_session
 
 import sparkdl
 from sparkdl._internal.common.config import RunConfig
@@ -96,6 +97,7 @@ class ExecutorKiller:
 
 
 @pytest.fixture
+@needs_session("local-cluster[2,1,1024] of its own, one per test")
 def fresh_cluster(spark_session) -> Iterator[Any]:  # type: ignore[no-untyped-def]
     """A local-cluster of its own (a test kills one of its executors for good), with both
     executors registered. The next test that asks for a session stops it."""

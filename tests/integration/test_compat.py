@@ -13,7 +13,7 @@ from typing import Any
 
 import cloudpickle
 import pytest
-from conftest import REPO
+from conftest import REPO, needs_session
 from resources.horovod_runner_train import hvd_train
 
 import sparkdl
@@ -186,6 +186,7 @@ def visible_gpus() -> list[str]:
 
 
 @pytest.fixture
+@needs_session("local[2] with two driver GPUs")
 def driver_with_gpus(spark_session, fake_gpus):  # type: ignore[no-untyped-def]
     """A session whose driver has two (fake) GPUs, 0 and 1; started before no_leaks looks."""
     return spark_session("local[2]", {"spark.driver.resource.gpu.amount": "2",

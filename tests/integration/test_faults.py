@@ -33,7 +33,7 @@ EPOCHS, BATCH, SAVE_EVERY = 3, 16, 3
 
 
 @pytest.fixture(scope="module")
-def dataset(spark, tmp_path_factory):  # type: ignore[no-untyped-def]
+def dataset(any_spark, tmp_path_factory):  # type: ignore[no-untyped-def]
     import random
 
     rng = random.Random(5)
@@ -41,7 +41,7 @@ def dataset(spark, tmp_path_factory):  # type: ignore[no-untyped-def]
     for i in range(300):
         x = [rng.uniform(-1, 1) for _ in range(8)]
         rows.append((i, x, sum(x[:4]) - 0.5 * x[5] + rng.gauss(0, 0.05)))
-    df = spark.createDataFrame(rows, "id long, x array<float>, y double")
+    df = any_spark.createDataFrame(rows, "id long, x array<float>, y double")
     return sparkdl.write_dataset(df, str(tmp_path_factory.mktemp("faults") / "data"), num_files=3)
 
 
@@ -121,7 +121,7 @@ def train(ds: sparkdl.Dataset, fault: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def reference(spark, dataset, tmp_path_factory):  # type: ignore[no-untyped-def]
+def reference(any_spark, dataset, tmp_path_factory):  # type: ignore[no-untyped-def]
     out = sparkdl.run(train, dataset, {}, num_workers=2, config=CFG,
                       checkpoint_dir=str(tmp_path_factory.mktemp("ref") / "ckpt"))
     assert out["attempt"] == 0 and out["restored_from"] is None
@@ -212,10 +212,9 @@ def test_a_bug_that_fails_every_rank_the_same_way_does_not_burn_every_attempt(sp
 
 
 @pytest.mark.cluster
-def test_losing_the_executor_of_a_rank_reschedules_the_gang(spark_session, dataset, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_losing_the_executor_of_a_rank_reschedules_the_gang(local_cluster, dataset, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from conftest import _listeners_outside_jvm, wait_no_leaks
 
-    spark_session("local-cluster[2,1,1024]", {"spark.executor.memory": "512m"})
     before = _listeners_outside_jvm()
     fault = {"how": "kill_executor", "rank": 1, "step": 7}
     out = sparkdl.run(train, dataset, fault, num_workers=2, max_attempts=3, config=CFG,

@@ -18,6 +18,7 @@ from typing import Any
 
 import cloudpickle
 import pytest
+from conftest import needs_session
 
 import sparkdl
 from sparkdl._internal.common.errors import SparkDLError
@@ -31,7 +32,7 @@ ROWS = 480
 
 
 @pytest.fixture(scope="module")
-def dataset(spark, tmp_path_factory):  # type: ignore[no-untyped-def]
+def dataset(any_spark, tmp_path_factory):  # type: ignore[no-untyped-def]
     import random
 
     rng = random.Random(11)
@@ -39,7 +40,7 @@ def dataset(spark, tmp_path_factory):  # type: ignore[no-untyped-def]
     for i in range(ROWS):
         x = [rng.uniform(-1, 1) for _ in range(8)]
         rows.append((i, x, sum(x[:4]) - 0.5 * x[5] + rng.gauss(0, 0.05)))
-    df = spark.createDataFrame(rows, "id long, x array<float>, y double")
+    df = any_spark.createDataFrame(rows, "id long, x array<float>, y double")
     return sparkdl.write_dataset(df, str(tmp_path_factory.mktemp("sharded") / "data"), num_files=4)
 
 
@@ -201,9 +202,14 @@ def _fed(log: Path) -> dict[int, dict[tuple[int, int], list[int]]]:
     return fed
 
 
+@pytest.fixture(scope="module")
+@needs_session("local[4]")
+def four_slots(spark_session):  # type: ignore[no-untyped-def]
+    return spark_session("local[4]")
+
+
 @pytest.mark.parametrize(("before", "after", "stop_at"), [(4, 2, 5), (2, 4, 10)], ids=["4-to-2", "2-to-4"])
-def test_a_run_resumes_on_another_number_of_ranks(spark_session, dataset, tmp_path, before, after, stop_at) -> None:  # type: ignore[no-untyped-def]
-    spark_session("local[4]")
+def test_a_run_resumes_on_another_number_of_ranks(four_slots, dataset, tmp_path, before, after, stop_at) -> None:  # type: ignore[no-untyped-def]
     ckpt, log = tmp_path / "ckpt", tmp_path / "log"
     log.mkdir()
     opts = {"batch": 8, "epochs": 2, "save_every": stop_at, "log": str(log), "snapshot_at": stop_at,
