@@ -187,6 +187,7 @@ def _get_session(master: str, conf: dict[str, str] | None = None):  # type: igno
 
 
 _SESSION_LABEL = "_sparkdl_session_label"
+_LATE_FIXTURES = {"connect_server", "netns_clusters"}
 # The local-cluster most cluster tests share: two executors of one core each.
 LOCAL_CLUSTER, LOCAL_CLUSTER_CONF = "local-cluster[2,1,1024]", {"spark.executor.memory": "512m"}
 
@@ -232,8 +233,10 @@ def _by_session(items: list[pytest.Item], tiers: dict[str, str]) -> None:
     tests of each session label, the ``local[N]`` ones first and each label in the order it first
     comes, then the tests that start no session here (they run programs: jobs, notebooks, servers,
     clusters of their own). Within a label, tests keep their order, so a module's tests stay
-    together; a module whose tests need two sessions sets up its module fixtures once per label."""
-    labels = {item.nodeid: session_label(item) for item in items}
+    together; a module whose tests need two sessions sets up its module fixtures once per label.
+    A test that also needs the Spark Connect server or the namespaced cluster runs with the last
+    ones, so that the server is not started early and kept through the rest of the suite."""
+    labels = {item.nodeid: None if _LATE_FIXTURES & set(item.fixturenames) else session_label(item) for item in items}
     first: dict[str, int] = {}
     for item in items:
         if (label := labels[item.nodeid]) is not None:
