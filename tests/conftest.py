@@ -59,6 +59,16 @@ os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
+# Every JVM the tests start (the sessions' drivers and executors, standalone and namespaced
+# daemons, spark-submit, the notebooks' and the Connect server's) compiles with C1 only and
+# collects with the serial GC: they live seconds to minutes, and on a 2-core machine C2's compiler
+# threads and G1's cost more than they give back (the cluster tests: the executors' CPU 225 s ->
+# 130 s, wall 389-403 s -> 244-326 s). Benchmarks run outside pytest, with Java's defaults.
+# SPARKDL_TEST_JVM_OPTS="" keeps Java's defaults here too.
+JVM_OPTS = os.environ.get("SPARKDL_TEST_JVM_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+if JVM_OPTS and JVM_OPTS not in os.environ.get("JAVA_TOOL_OPTIONS", ""):
+    os.environ["JAVA_TOOL_OPTIONS"] = f"{os.environ.get('JAVA_TOOL_OPTIONS', '')} {JVM_OPTS}".strip()
+
 # Every process this test process starts inherits the tag (JVMs, Python workers, zygotes, ranks,
 # MPI daemons, servers): what another worker, or another stack's run, started is not ours.
 TEST_TAG_ENV = "SPARKDL_TEST_TAG"
