@@ -37,11 +37,6 @@ def _gpu_conf(script: str, per_task: int) -> dict[str, str]:
     }
 
 
-@pytest.fixture
-def cluster(local_cluster):  # type: ignore[no-untyped-def]
-    return local_cluster
-
-
 @pytest.fixture(scope="module")
 def gpu_script(fake_gpus):  # type: ignore[no-untyped-def]
     return fake_gpus(2)
@@ -86,7 +81,7 @@ def who_am_i() -> dict[str, Any]:
 
 
 # The session fixture comes before no_leaks, so Spark's own listeners exist before the snapshot.
-def test_ranks_run_on_separate_executors(cluster, no_leaks) -> None:  # type: ignore[no-untyped-def]
+def test_ranks_run_on_separate_executors(local_cluster, no_leaks) -> None:  # type: ignore[no-untyped-def]
     out = sparkdl.run(who_am_i, num_workers=2, config=CFG)
     ranks = out["ranks"]
     assert [r["sum"] for r in ranks] == [3.0, 3.0]
@@ -199,7 +194,7 @@ def last_rank_fails_first(tmp: str) -> list[int]:
     return [ctx.attempt, int(t.item())]
 
 
-def test_a_failed_rank_ends_its_tasks_other_ranks_and_the_gang_reruns(cluster, no_leaks, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_failed_rank_ends_its_tasks_other_ranks_and_the_gang_reruns(local_cluster, no_leaks, tmp_path) -> None:  # type: ignore[no-untyped-def]
     cfg = CFG.replace(processes_per_task=2, timeout_s=120, max_attempts=2)
     result = sparkdl.launch(last_rank_fails_first, str(tmp_path), num_workers=4, config=cfg)
     assert result.value == [1, 6]
