@@ -102,23 +102,20 @@ ensure_venv() {
     "$PYTHON" -m venv "$VENV"
   fi
   "$VENV/bin/python" -m pip install -q --upgrade "pip>=24" >&2
-  # Packages go in without their bytecode (--no-compile): pip would compile every module of torch,
-  # TensorFlow and pyspark (torch alone: 34 s of CPU against 8.5 s on 2 cores); Python compiles
-  # the modules a program imports on their first import and keeps them.
   # torch first and alone: a loose requirement elsewhere must not pull a CUDA build of several GB.
   if [ -n "$TORCH_INDEX" ]; then
     log "installing $TORCH_REQ from $TORCH_INDEX"
-    "$VENV/bin/python" -m pip install -q --no-compile --index-url "$TORCH_INDEX" "$TORCH_REQ" >&2
+    "$VENV/bin/python" -m pip install -q --index-url "$TORCH_INDEX" "$TORCH_REQ" >&2
   else
     log "installing $TORCH_REQ"
-    "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_REQ" >&2
+    "$VENV/bin/python" -m pip install -q "$TORCH_REQ" >&2
   fi
   log "installing sparkdl[$EXTRAS] and its $STACK stack (constraints/$STACK.txt) in $VENV"
   # The torch pin in the constraints file is dropped when the user chose another build.
   local cfile
   cfile="$(mktemp)"
   grep -v '^torch==' "$CONSTRAINTS" > "$cfile"
-  "$VENV/bin/python" -m pip install -q --no-compile -c "$cfile" -e "$ROOT[$EXTRAS]" >&2
+  "$VENV/bin/python" -m pip install -q -c "$cfile" -e "$ROOT[$EXTRAS]" >&2
   rm -f "$cfile"
   echo "$want" > "$stamp_file"
 }
@@ -131,8 +128,8 @@ ensure_tensorflow() {
   log "installing TensorFlow (CPU build) and tf-keras in $VENV"
   # tf-keras names the full "tensorflow" distribution; with the CPU build in place it needs nothing
   # more, so it goes in without its dependencies.
-  "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" tensorflow-cpu >&2
-  "$VENV/bin/python" -m pip install -q --no-compile --no-deps -c "$CONSTRAINTS" tf-keras >&2
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" tensorflow-cpu >&2
+  "$VENV/bin/python" -m pip install -q --no-deps -c "$CONSTRAINTS" tf-keras >&2
   echo "$want" > "$VENV/.sparkdl-tensorflow"
 }
 
@@ -142,7 +139,7 @@ ensure_dali() {
   want="$(grep -E '^nvidia-dali-cuda120==' "$CONSTRAINTS")"
   [ "$(cat "$VENV/.sparkdl-dali" 2>/dev/null)" = "$want" ] && return 0
   log "installing NVIDIA DALI in $VENV"
-  "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" nvidia-dali-cuda120 >&2
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" nvidia-dali-cuda120 >&2
   echo "$want" > "$VENV/.sparkdl-dali"
 }
 
