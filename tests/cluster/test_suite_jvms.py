@@ -5,6 +5,7 @@ every class from the jars again, silently, and each would take 4-5 s more CPU to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -27,9 +28,12 @@ def test_the_driver_and_executors_map_the_class_archive(local_cluster) -> None: 
     archive = _archive()
     assert archive.is_file(), archive
     local_cluster.range(4).repartition(2).count()  # both executors at work
-    jvms = [p for p in psutil.Process().children(recursive=True) if os.path.basename(p.exe()) == "java"]
-    executors = [p for p in jvms if "CoarseGrainedExecutorBackend" in " ".join(p.cmdline())]
-    assert len(jvms) >= 3 and len(executors) == 2, [p.cmdline()[-8:] for p in jvms]
-    for jvm in jvms:
-        mapped = {m.path for m in jvm.memory_maps(grouped=True)}
-        assert str(archive) in mapped, f"{' '.join(jvm.cmdline())[:300]} does not map {archive}"
+    jvms = {}  # pid -> (command line, the files it maps), of every live JVM this process started
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # a Python worker that ended meanwhile
+            if os.path.basename(proc.exe()) == "java":
+                jvms[proc.pid] = (" ".join(proc.cmdline()), {m.path for m in proc.memory_maps(grouped=True)})
+    executors = [cmd for cmd, _ in jvms.values() if "CoarseGrainedExecutorBackend" in cmd]
+    assert len(jvms) >= 3 and len(executors) >= 2, [cmd[-200:] for cmd, _ in jvms.values()]
+    for cmd, mapped in jvms.values():
+        assert str(archive) in mapped, f"{cmd[:300]} does not map {archive}"
