@@ -422,6 +422,17 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         write(f"Spark sessions started again with the same settings ({len(restarts)}): {'; '.join(restarts)}")
 
 
+def child_jvms(parent: psutil.Process) -> list[psutil.Process]:
+    """The live JVMs among ``parent``'s descendants; one that ends meanwhile is left out."""
+    found = []
+    for proc in parent.children(recursive=True):
+        with contextlib.suppress(psutil.Error, OSError):
+            # The executable, not the name: a test's fake ``java`` script runs a shell.
+            if os.path.basename(proc.exe()) == "java":
+                found.append(proc)
+    return found
+
+
 class _NoJvmGuard:
     """Watches a unit test, fixtures included, for a JVM it starts or a Spark session it asks for."""
 
@@ -433,13 +444,7 @@ class _NoJvmGuard:
         _unit_item["nodeid"] = item.nodeid
 
     def _jvms(self) -> set[int]:
-        found = set()
-        for proc in self.me.children(recursive=True):
-            with contextlib.suppress(psutil.Error, OSError):
-                # The executable, not the name: a test's fake ``java`` script runs a shell.
-                if os.path.basename(proc.exe()) == "java":
-                    found.add(proc.pid)
-        return found
+        return {proc.pid for proc in child_jvms(self.me)}
 
     def _watch(self) -> None:
         while not self.done.wait(0.25):

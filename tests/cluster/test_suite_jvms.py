@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import JVM_ARCHIVE
+from conftest import JVM_ARCHIVE, child_jvms
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
@@ -29,10 +29,9 @@ def test_the_driver_and_executors_map_the_class_archive(local_cluster) -> None: 
     assert archive.is_file(), archive
     local_cluster.range(4).repartition(2).count()  # both executors at work
     jvms = {}  # pid -> (command line, the files it maps), of every live JVM this process started
-    for proc in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):  # a Python worker that ended meanwhile
-            if os.path.basename(proc.exe()) == "java":
-                jvms[proc.pid] = (" ".join(proc.cmdline()), {m.path for m in proc.memory_maps(grouped=True)})
+    for proc in child_jvms(psutil.Process()):
+        with contextlib.suppress(psutil.Error):  # a JVM that ended meanwhile
+            jvms[proc.pid] = (" ".join(proc.cmdline()), {m.path for m in proc.memory_maps(grouped=True)})
     executors = [cmd for cmd, _ in jvms.values() if "CoarseGrainedExecutorBackend" in cmd]
     assert len(jvms) >= 3 and len(executors) >= 2, [cmd[-200:] for cmd, _ in jvms.values()]
     for cmd, mapped in jvms.values():
