@@ -41,6 +41,9 @@ TORCH_INDEX="${SPARKDL_TORCH_INDEX:-}"
 PYTHON="${SPARKDL_PYTHON:-python3}"
 
 log() { echo "[bootstrap] $*" >&2; }
+# apt-get one at a time: tools/test sets both stacks up at once, and a second apt-get fails at
+# once, rather than waits, while another holds dpkg's lock (build-horovod.sh takes the same turn).
+apt_turn() { flock -w 900 "${TMPDIR:-/tmp}/.sparkdl-apt.lock" "$@"; }
 
 java_major() {
   command -v java >/dev/null 2>&1 || { echo 0; return; }
@@ -59,8 +62,8 @@ ensure_java() {
     command -v sudo >/dev/null 2>&1 || { log "not root and no sudo: install Java 17 and set JAVA_HOME, then rerun"; exit 1; }
     sudo="sudo"
   fi
-  $sudo apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q openjdk-17-jre-headless
+  apt_turn $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt_turn $sudo apt-get install -y -q openjdk-17-jre-headless
   major="$(java_major)"
   [ "${major:-0}" -ge 17 ] || { log "Java install did not give Java 17 (found ${major:-none})"; exit 1; }
 }
@@ -72,8 +75,8 @@ ensure_netns_tools() {
     return
   fi
   log "iproute2 is missing (ip, ss: the namespaced-host tests); installing it"
-  apt-get update -q
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2
+  apt_turn apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt_turn apt-get install -y -q iproute2
 }
 
 ensure_chromium() {
@@ -86,8 +89,8 @@ ensure_chromium() {
     return 0
   fi
   log "installing chromium (the documentation site's render check)"
-  apt-get update -q >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >&2
+  apt_turn apt-get update -q >&2
+  DEBIAN_FRONTEND=noninteractive apt_turn apt-get install -y -q chromium >&2
 }
 
 ensure_venv() {

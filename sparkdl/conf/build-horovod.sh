@@ -100,8 +100,11 @@ apt_install() {
     sudo="sudo"
   fi
   log "installing $* from Debian"
-  $sudo apt-get update -q >&2
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "$@" >&2
+  # One apt-get at a time (tools/bootstrap.sh takes the same turn): a second one fails rather than
+  # waits while another holds dpkg's lock, and tools/test sets two venvs up at once.
+  local turn=(flock -w 900 "${TMPDIR:-/tmp}/.sparkdl-apt.lock")
+  "${turn[@]}" $sudo apt-get update -q >&2
+  DEBIAN_FRONTEND=noninteractive "${turn[@]}" $sudo apt-get install -y -q "$@" >&2
 }
 
 # "openmpi-4.1.4" or "mpich-4.0.2": which MPI the compiler wrapper on the PATH builds against.
