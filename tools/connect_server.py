@@ -93,8 +93,14 @@ class ConnectServer:
     def start(self) -> ConnectServer:
         if reason := connect_available():
             raise ClusterError(reason)
+        # Spark's scratch (blockmgr-*, spark-*/userFiles, Connect's artifacts-*) goes to java.io.tmpdir:
+        # under the server's directory, cleanup() removes it also after a SIGKILL, which skips the
+        # JVM's own removal of it.
+        scratch = self.dir / "tmp"
+        scratch.mkdir(exist_ok=True)
+        java_opts = f"{os.environ.get('JAVA_TOOL_OPTIONS', '')} -Djava.io.tmpdir={scratch}".strip()
         env = {**os.environ, "SPARK_HOME": str(spark_home()), "SPARK_LOCAL_IP": self.host,
-               "PYSPARK_PYTHON": self.python, "SPARK_NO_DAEMONIZE": "1"}
+               "PYSPARK_PYTHON": self.python, "SPARK_NO_DAEMONIZE": "1", "JAVA_TOOL_OPTIONS": java_opts}
         atexit.register(self.stop)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
