@@ -80,7 +80,12 @@ def main(argv: list[str]) -> int:
         return 1
     if has_bytecode(path):
         return 0
-    count = add_bytecode(path)
+    try:
+        count = add_bytecode(path)
+    except OSError as exc:  # a pyspark this user may not write: its workers compile as before
+        print(f"[pyspark-bytecode] left {path} as it is ({exc}): Spark's Python workers compile "
+              "pyspark's modules from source, as without this", file=sys.stderr)
+        return 0
     print(f"[pyspark-bytecode] compiled {count} modules into {path}", file=sys.stderr)
     return 0
 
