@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     path = Path(argv[0]) if argv else pyspark_zip()
     if not path.is_file():
         print(f"[pyspark-bytecode] {path} does not exist: nothing to compile", file=sys.stderr)
-        return 1
+        return 0  # bootstrap goes on: the bytecode only saves CPU
     if has_bytecode(path):
         return 0
     try:
