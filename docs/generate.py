@@ -51,6 +51,8 @@ def settings_page() -> str:
         "sparkdl reads. A run takes its bounds and behaviour from a `RunConfig`",
         "(`sparkdl.run(fn, config=sparkdl.RunConfig(...))`); deployment choices that belong to the cluster",
         "rather than to one run are Spark confs (`--conf`, `spark-defaults.conf`, `SparkSession.builder.config`).",
+        "sparkdl reads its own confs (`spark.sparkdl.*`) from the session at each call, so `spark.conf.set` on a",
+        "running session, classic or Spark Connect, changes them for the next run.",
         "",
         "## `RunConfig` fields",
         "",

@@ -330,12 +330,19 @@ def logs_metrics(steps: int) -> str:
     return "done"
 
 
-def test_metrics_reach_the_driver_with_progress_and_a_file(spark, capfd, no_leaks) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_reach_the_driver_with_progress_and_a_file(spark, tmp_path, capfd, no_leaks) -> None:  # type: ignore[no-untyped-def]
     import json
 
     cfg = FAST.replace(progress_interval_s=0.05)
-    result = sparkdl.launch(logs_metrics, 20, num_workers=2, config=cfg)
+    # The run directory, chosen on the running session (spark.conf.set) as on Spark Connect.
+    spark.conf.set("spark.sparkdl.runDir", str(tmp_path / "runs"))
+    try:
+        result = sparkdl.launch(logs_metrics, 20, num_workers=2, config=cfg)
+    finally:
+        spark.conf.unset("spark.sparkdl.runDir")
     assert result.value == "done" and result.attempts == 1
+    assert result.run_dir == str(tmp_path / "runs" / result.run_id)
+    assert Path(result.metrics_path).parent == tmp_path / "runs" / result.run_id
     frame = result.metrics
     assert sorted(frame.groupby("rank").size().to_dict().items()) == [(0, 20), (1, 20)]
     rank0 = frame[frame["rank"] == 0].sort_values("step")

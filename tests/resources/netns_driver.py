@@ -175,9 +175,9 @@ def main() -> None:
         out["reference"] = sparkdl.run(train, ds, {}, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/ref")
         fault = {"how": "sigkill", "host": params["host2"], "step": 7}
         out["sigkill"] = sparkdl.run(train, ds, fault, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/kill")
-        spark.stop()
         # The same application's user points the run and cache directories at the shared storage.
-        spark = session({**conf, "spark.sparkdl.runDir": f"{shared}/runs", "spark.sparkdl.cacheDir": f"{shared}/cache"})
+        spark.conf.set("spark.sparkdl.runDir", f"{shared}/runs")
+        spark.conf.set("spark.sparkdl.cacheDir", f"{shared}/cache")
         out["cached"] = sparkdl.write_dataset(spark.read.parquet(ds.url)).url
         out["estimator"] = estimator(spark, ds.url, shared)
     elif scenario == "packed":  # executors with nothing installed, the job's packed venv shipped to them

@@ -18,7 +18,7 @@ sets the number.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
     from pyspark.sql.types import DataType
+
+    from sparkdl._internal.spark.spark_api import Confs
 
 __all__ = [
     "check_decoder",
@@ -74,7 +76,7 @@ def holds_images(t: DataType) -> bool:
     return isinstance(t, T.StructType) and {"data", "nChannels", "height", "width"} <= set(t.fieldNames())
 
 
-def decode_threads(session_conf: Any, spark_conf: Mapping[str, Any]) -> int:
+def decode_threads(session_conf: Any, spark_conf: Confs) -> int:
     """How many threads each scoring task decodes on: ``spark.sparkdl.ml.decodeThreads`` when set
     (read from the session, where ``spark.conf.set`` puts it), else the cores a task has.
 

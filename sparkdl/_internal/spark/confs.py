@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREFIX = "spark.sparkdl."
+
 
 @dataclass(frozen=True)
 class SparkConf:

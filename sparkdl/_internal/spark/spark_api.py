@@ -16,8 +16,8 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from sparkdl._internal.common.errors import ConfigError
@@ -62,6 +62,12 @@ def master_slots(master: str, task_cpus: int) -> int | None:
     return None
 
 
+class Confs(Protocol):
+    """A session's confs, read one at a time."""
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+
 class SparkApi:
     """One session, seen through what sparkdl needs; see the classic and Connect subclasses."""
 
@@ -72,7 +78,7 @@ class SparkApi:
 
     # ---- confs and identity ------------------------------------------------------------------
 
-    def confs(self) -> Mapping[str, str]:
+    def confs(self) -> Confs:
         """The session's confs (for ``.get(key, default)``)."""
         raise NotImplementedError
 
@@ -169,6 +175,22 @@ class SparkApi:
         return mode
 
 
+class _ClassicConfs:
+    """A classic session's confs for ``.get(key, default)``: Spark's from the SparkContext, and sparkdl's
+    own (``spark.sparkdl.*``) from the session's runtime conf first, so that ``spark.conf.set`` chooses
+    them for the next run, as it does on Spark Connect (whose confs are all runtime ones)."""
+
+    def __init__(self, session: Any, conf: Any) -> None:
+        self._session, self._conf = session, conf
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key.startswith(confs.PREFIX):
+            value = self._session.conf.get(key, None)
+            if value is not None:
+                return value
+        return self._conf.get(key, default)
+
+
 class ClassicApi(SparkApi):
     """A session with a ``SparkContext`` in this process."""
 
@@ -176,8 +198,8 @@ class ClassicApi(SparkApi):
         super().__init__(session)
         self.sc = session.sparkContext
 
-    def confs(self) -> Mapping[str, str]:
-        return self.sc.getConf()  # SparkConf has .get(key, default)
+    def confs(self) -> Confs:
+        return _ClassicConfs(self.session, self.sc.getConf())
 
     def default_fs(self) -> str | None:
         # The Hadoop configuration: core-site.xml (HADOOP_CONF_DIR) and spark.hadoop.* together.
@@ -284,7 +306,7 @@ class ConnectApi(SparkApi):
         super().__init__(session)
         self._confs: dict[str, str] | None = None
 
-    def confs(self) -> Mapping[str, str]:
+    def confs(self) -> Confs:
         if self._confs is None:  # one round trip for all of them
             self._confs = dict(self.session.conf.getAll)
         return self._confs
