@@ -22,8 +22,9 @@ that leak checks count only what this worker started. Tests that must not share 
 neighbour, or that share something expensive (one Connect server, one namespaced cluster), are
 kept on one worker by an ``xdist_group``.
 
-On the classic stack, unit tests that cannot behave differently there are left to the modern
-stack (``tests/stack_rule.py``); the summary says which and why. ``tools/test --full`` runs all.
+Unit tests that cannot behave differently on the two stacks run on one of them when tools/test
+runs both (``tests/stack_rule.py``); each stack's summary says which and why. ``tools/test --full``
+runs all on both.
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def tier_of(path: Path) -> str:
             f"{rel}: every test file lives in one of tests/{{{','.join(TIERS)}}}/ (see 'Where a test goes' in docs/contributing.md)"
         )
     return rel.parts[0]
+
+
+def running_stacks() -> list[str]:
+    """The stacks this invocation of tools/test runs (``SPARKDL_TEST_STACKS``); [] when unknown."""
+    return os.environ.get("SPARKDL_TEST_STACKS", "").split()
 
 
 def current_stack() -> str:
@@ -333,21 +339,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _by_session(items, tiers)
 
     stack = current_stack()
-    left: dict[str, list[Any]] = {}
+    running = running_stacks()
+    kept: dict[str, list[Any]] = {}  # tests this stack runs for both: path -> [count, reason]
+    left: dict[str, list[Any]] = {}  # tests this stack leaves to the other: path -> [count, reason, stack]
     leave = []
+    every = config.getoption("--every-stack")
     for item in items:
         path = Path(str(item.fspath))
-        reason = stack_rule.left_to_modern(path, tiers[item.nodeid])
-        if reason is not None and not item.get_closest_marker("both_stacks"):
+        reason = stack_rule.one_stack_enough(path, tiers[item.nodeid])
+        if reason is None or item.get_closest_marker("both_stacks"):
+            continue
+        home, why = (stack, "") if every else stack_rule.home_stack(path, running, stack)
+        where = str(path.relative_to(REPO))
+        if home == stack:
+            kept.setdefault(where, [0, reason])[0] += 1
+        else:
             leave.append(item)
-            left.setdefault(str(path.relative_to(REPO)), [0, reason])[0] += 1
-    deselect = stack != "modern" and not config.getoption("--every-stack")
-    if deselect and leave:
+            left.setdefault(where, [0, f"{reason}; on the {home} stack: {why}", home])[0] += 1
+    if leave:
         config.hook.pytest_deselected(items=leave)
         gone = set(leave)
         items[:] = [item for item in items if item not in gone]
-    report = {"stack": stack, "selected": len(items), "left": left, "deselected": deselect,
-              "jvm_archive": _use_jvm_archive(config, items, tiers)}
+    report = {"stack": stack, "selected": len(items), "kept": kept, "left": left, "every": every,
+              "running": running, "jvm_archive": _use_jvm_archive(config, items, tiers)}
     config.stash[_STACK_REPORT] = report
     if hasattr(config, "workeroutput"):  # an xdist worker: the controller prints the summary
         config.workeroutput["sparkdl_stack_report"] = json.dumps(report)
@@ -402,19 +416,22 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if report is None:
         return
     write = terminalreporter.write_line
-    left = report["left"]
-    count = sum(n for n, _ in left.values())
-    terminalreporter.section(f"stack {report['stack']}")
-    if report["stack"] == "modern":
-        write(f"stack modern: {report['selected']} tests selected; {count} of them run on this stack only "
-              "(the classic stack leaves them here: tests/stack_rule.py)")
-    elif report["deselected"]:
-        write(f"stack {report['stack']}: {report['selected']} tests selected; {count} left to the modern stack "
-              "(rule: tests/stack_rule.py):")
-        for path, (n, reason) in sorted(left.items()):
+    stack, left, kept = report["stack"], report["left"], report["kept"]
+    terminalreporter.section(f"stack {stack}")
+    if report["every"]:
+        write(f"stack {stack}: {report['selected']} tests selected, every test (--every-stack)")
+    elif left:
+        others = sorted({home for _, _, home in left.values()})
+        write(f"stack {stack}: {report['selected']} tests selected; {sum(n for n, *_ in left.values())} left to the "
+              f"{' and '.join(others)} stack, which runs them for both (rule: tests/stack_rule.py):")
+        for path, (n, reason, _) in sorted(left.items()):
             write(f"  {path} ({n}): {reason}")
+    elif kept and [other for other in report["running"] if other != stack]:
+        write(f"stack {stack}: {report['selected']} tests selected; {sum(n for n, _ in kept.values())} of them run "
+              "here for both stacks (rule: tests/stack_rule.py)")
     else:
-        write(f"stack {report['stack']}: {report['selected']} tests selected, every test (--every-stack)")
+        write(f"stack {stack}: {report['selected']} tests selected, every test (no other stack runs in this "
+              "invocation: SPARKDL_TEST_STACKS)")
     if archive := report.get("jvm_archive"):
         write(f"Spark's classes for the tests' JVMs: {archive}")
     restarts = config.stash.get(_RESTARTS, [])

@@ -1,4 +1,4 @@
-"""Which tests the classic stack leaves to the modern one, as a rule read from the code.
+"""Which tests one stack may run for both, as a rule read from the code.
 
 The two stacks (``constraints/modern.txt``, ``constraints/classic.txt``) pin the same torch,
 Python and sparkdl; they differ only in pyspark, pyarrow, numpy, pandas and Petastorm (and
@@ -9,7 +9,12 @@ reaches one of those packages. So:
   through pyspark and runs on both stacks;
 - a test of ``tests/unit`` runs on both stacks when its file, or a sparkdl module it imports
   (followed through sparkdl's own imports, those inside functions included), imports one of the
-  stack's packages; otherwise the modern stack alone runs it, and the summary says so and why.
+  stack's packages; otherwise one stack runs it, and the summaries say which and why.
+
+That one stack is the classic stack when both run in this invocation (``tools/test`` says which
+in ``SPARKDL_TEST_STACKS``): its lane is the shorter one in CI (see docs/contributing.md). A test
+that reaches a package only the modern stack installs (TensorFlow, NVIDIA DALI) stays on the
+modern stack. With one stack, that stack runs them all.
 
 Package ``__init__`` files are not followed as a side effect of importing a submodule: importing
 ``sparkdl._internal.wire.messages`` runs ``sparkdl/__init__.py``, but the test exercises the wire module,
@@ -24,6 +29,8 @@ from pathlib import Path
 
 # What differs between constraints/modern.txt and constraints/classic.txt (and only that).
 STACK_PACKAGES = ("pyspark", "pyarrow", "numpy", "pandas", "petastorm", "py4j")
+# What tools/bootstrap.sh installs on the modern stack only.
+MODERN_ONLY = ("tensorflow", "nvidia")
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "sparkdl"
@@ -63,7 +70,8 @@ def _imports(path: Path, module: str | None) -> set[str]:
 
 @functools.cache
 def _reach(module: str) -> frozenset[str]:
-    """The stack packages that sparkdl module ``module`` reaches through sparkdl's own imports."""
+    """The stack packages (and modern-only ones) that sparkdl module ``module`` reaches through
+    sparkdl's own imports."""
     seen: set[str] = set()
     hits: set[str] = set()
     todo = [module]
@@ -77,7 +85,7 @@ def _reach(module: str) -> frozenset[str]:
             continue
         for imported in _imports(path, name):
             top = imported.split(".")[0]
-            if top in STACK_PACKAGES:
+            if top in STACK_PACKAGES or top in MODERN_ONLY:
                 hits.add(top)
             elif top == PACKAGE and _module_file(imported) is not None and imported != PACKAGE:
                 todo.append(imported)
@@ -86,7 +94,7 @@ def _reach(module: str) -> frozenset[str]:
 
 @functools.cache
 def stack_packages_reached(test_file: Path) -> tuple[frozenset[str], tuple[str, ...]]:
-    """(the stack packages the test file reaches, the sparkdl modules it imports directly)."""
+    """(the stack packages, and modern-only ones, the test file reaches; the sparkdl modules it imports directly)."""
     hits: set[str] = set()
     direct = sorted(
         name for name in _imports(test_file, None)
@@ -94,19 +102,31 @@ def stack_packages_reached(test_file: Path) -> tuple[frozenset[str], tuple[str, 
     )
     for name in _imports(test_file, None):
         top = name.split(".")[0]
-        if top in STACK_PACKAGES:
+        if top in STACK_PACKAGES or top in MODERN_ONLY:
             hits.add(top)
     for name in direct:
         hits.update(_reach(name))
     return frozenset(hits), tuple(direct)
 
 
-def left_to_modern(test_file: Path, tier: str) -> str | None:
-    """Why the classic stack may leave this test file to the modern stack, or None if it may not."""
+def one_stack_enough(test_file: Path, tier: str) -> str | None:
+    """Why one stack may run this test file for both, or None if both must run it."""
     if tier != "unit":
         return None
     hits, direct = stack_packages_reached(test_file)
-    if hits:
+    if hits & set(STACK_PACKAGES):
         return None
     through = ", ".join(direct) or "no sparkdl module"
     return f"needs no JVM and reaches none of {', '.join(STACK_PACKAGES)} (imports {through})"
+
+
+def home_stack(test_file: Path, running: list[str], current: str) -> tuple[str, str]:
+    """The stack that runs a test :func:`one_stack_enough` allows, and why that one, given the
+    stacks ``running`` in this invocation: with both, the classic one unless the test reaches a
+    package only the modern one has; otherwise ``current``, which then runs everything."""
+    if set(running) != {"modern", "classic"}:
+        return current, "the only stack running"
+    hits, _ = stack_packages_reached(test_file)
+    if reached := sorted(hits & set(MODERN_ONLY)):
+        return "modern", f"it reaches {', '.join(reached)}, which only the modern stack installs"
+    return "classic", "the classic stack's lane ends earlier in CI"

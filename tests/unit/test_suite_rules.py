@@ -65,3 +65,28 @@ def test_the_rule_finds_a_fixture_without_its_label(tmp_path: Path, monkeypatch)
         "a fixture starts a session without @needs_session(label)",
         "a test starts its session itself; ask for a fixture marked @needs_session",
     ]
+
+
+def test_the_stack_rule_runs_stack_independent_unit_tests_once_and_the_rest_on_both(tmp_path: Path) -> None:
+    import stack_rule
+
+    def file(name: str, source: str) -> Path:
+        path = tmp_path / name
+        path.write_text(source)
+        return path
+
+    both = ["modern", "classic"]
+    plain = file("test_plain.py", "from sparkdl._internal.task import workdir\n")
+    arrow = file("test_arrow.py", "def test_x():\n    import pyarrow\n")
+    keras = file("test_keras.py", "import tensorflow as tf\n")
+    # A test reaching a package the stacks differ in runs on both, whatever runs.
+    assert stack_rule.one_stack_enough(arrow, "unit") is None
+    assert stack_rule.one_stack_enough(plain, "integration") is None  # a JVM: pyspark
+    assert "reaches none of pyspark" in str(stack_rule.one_stack_enough(plain, "unit"))
+    # With both stacks: the classic one runs it, unless only the modern stack has what it imports.
+    assert stack_rule.home_stack(plain, both, "modern")[0] == "classic"
+    assert stack_rule.home_stack(keras, both, "classic") == (
+        "modern", "it reaches tensorflow, which only the modern stack installs")
+    # One stack (or an unknown set): that stack runs everything.
+    assert stack_rule.home_stack(plain, ["modern"], "modern")[0] == "modern"
+    assert stack_rule.home_stack(plain, [], "classic")[0] == "classic"
