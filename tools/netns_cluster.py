@@ -40,10 +40,10 @@ from types import TracebackType
 from typing import Any
 
 try:
-    from standalone_cluster import ClusterError, spark_home
+    from standalone_cluster import ClusterError, conf_dir_env, spark_home
 except ImportError:  # loaded by path, without tools/ on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from standalone_cluster import ClusterError, spark_home
+    from standalone_cluster import ClusterError, conf_dir_env, spark_home
 
 MASTER_PORT, WEBUI_PORT, WORKER_PORT, WORKER_WEBUI_PORT = 7077, 8080, 7078, 8081
 WORK_DIR = "/tmp/spark-work"  # each worker's work dir, in its private /tmp
@@ -156,7 +156,7 @@ class NetnsCluster:
         sweep_stale()
         atexit.register(self.stop)
         try:
-            for d in (self.dir, self.dir / "conf", self.dir / "logs", *([self.shared] if self.own_shared else [])):
+            for d in (self.dir, self.dir / "logs", *([self.shared] if self.own_shared else [])):
                 d.mkdir()
                 self._dirs.append(d)
                 d.chmod(0o755)
@@ -242,9 +242,9 @@ class NetnsCluster:
             SPARK_MASTER_OPTS=f"{os.environ.get('SPARK_MASTER_OPTS', '')} -Dspark.master.rest.enabled=false".strip(),
             SPARK_WORKER_OPTS=" ".join([os.environ.get("SPARK_WORKER_OPTS", ""), *self.worker_opts]).strip(),
             PYSPARK_PYTHON=self.python, PYSPARK_DRIVER_PYTHON=self.python,
-            SPARK_CONF_DIR=str(self.dir / "conf"), TMPDIR="/tmp",
+            TMPDIR="/tmp",
         )
-        return env
+        return conf_dir_env(env, self.home, self.dir / "conf")
 
     def status(self) -> dict[str, Any] | None:
         """The master's status page as JSON (fetched over the bridge), or None while it does not answer."""
@@ -279,9 +279,9 @@ class NetnsCluster:
 
     def driver_env(self) -> dict[str, str]:
         """The environment of a driver program in the root namespace (spark-submit or python)."""
-        return {**os.environ, "SPARK_HOME": str(self.home), "SPARK_LOCAL_IP": self.driver_host,
-                "PYSPARK_PYTHON": self.python, "PYSPARK_DRIVER_PYTHON": self.python,
-                "SPARK_CONF_DIR": str(self.dir / "conf")}
+        return conf_dir_env({**os.environ, "SPARK_HOME": str(self.home), "SPARK_LOCAL_IP": self.driver_host,
+                             "PYSPARK_PYTHON": self.python, "PYSPARK_DRIVER_PYTHON": self.python},
+                            self.home, self.dir / "conf")
 
     def driver_conf(self) -> dict[str, str]:
         """Spark confs for a driver in the root namespace: this master, bound on the bridge."""

@@ -45,6 +45,19 @@ def spark_home() -> Path:
     return Path(pyspark.__file__).resolve().parent
 
 
+def conf_dir_env(env: dict[str, str], home: Path, own: Path) -> dict[str, str]:
+    """``env`` with the ``SPARK_CONF_DIR`` a test cluster's JVMs get, so that none reads a stray conf
+    (the caller's ``SPARK_CONF_DIR``, a ``conf/`` in Spark's home): none at all where Spark's home
+    has no ``conf/`` (pip's pyspark), so that their class path is the one pyspark's launcher gives a
+    local session and they map the class archive the suite makes from one (tests/resources/jvm_archive.py);
+    else ``own``, an empty directory of the cluster's."""
+    env = {k: v for k, v in env.items() if k != "SPARK_CONF_DIR"}
+    if (home / "conf").exists():
+        own.mkdir(parents=True, exist_ok=True)
+        env["SPARK_CONF_DIR"] = str(own)
+    return env
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 right now (the daemon binds it a moment later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -127,10 +140,8 @@ class StandaloneCluster:
             SPARK_WORKER_OPTS=" ".join([os.environ.get("SPARK_WORKER_OPTS", ""), *self.worker_opts]).strip(),
             PYSPARK_PYTHON=self.python,
             PYSPARK_DRIVER_PYTHON=self.python,
-            # Spark writes nothing into the pip package's directory and reads no stray conf.
-            SPARK_CONF_DIR=str(self.dir / "conf"),
         )
-        return env
+        return conf_dir_env(env, self.home, self.dir / "conf")
 
     def _start(self, name: str, args: list[str]) -> None:
         log = self.dir / f"{name}.log"
@@ -147,7 +158,6 @@ class StandaloneCluster:
 
     def start(self) -> StandaloneCluster:
         """Starts the master, then the workers; returns once every worker is ALIVE on the master."""
-        (self.dir / "conf").mkdir(exist_ok=True)
         try:
             self._start("master", [
                 "org.apache.spark.deploy.master.Master",

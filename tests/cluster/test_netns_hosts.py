@@ -14,6 +14,8 @@ ended within its bounds; the jobs by spark-submit; ``sparkdl doctor`` naming bot
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -21,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
-from conftest import REPO
+from conftest import JVM_ARCHIVE, REPO
 from resources.digits_jobs import check_scored, check_trained
 
 ROOT = REPO
@@ -110,6 +113,18 @@ class Driver:
 
     def output(self) -> str:
         return "\n".join(line for _, line in self.lines)
+
+
+@pytest.mark.skipif(not JVM_ARCHIVE, reason="SPARKDL_TEST_JVM_ARCHIVE=0")
+def test_the_hosts_jvms_map_the_suites_class_archive(cluster: Any) -> None:
+    """The master and the workers (and so the executors they start, with the same class path) map
+    the archive of Spark's classes that the suite's local sessions map: each JVM of this module
+    would otherwise load its classes from the jars, some 4 s of CPU more each."""
+    found = re.search(r"-XX:SharedArchiveFile=(\S+)", os.environ.get("JAVA_TOOL_OPTIONS", ""))
+    assert found, os.environ.get("JAVA_TOOL_OPTIONS")
+    for host in [cluster.master, *cluster.hosts]:
+        maps = Path(f"/proc/{host.proc.pid}/maps").read_text()
+        assert found.group(1) in maps, f"{host.role}: {' '.join(psutil.Process(host.proc.pid).cmdline())[:400]}"
 
 
 @pytest.fixture(scope="module")
