@@ -156,7 +156,7 @@ class NetnsCluster:
         sweep_stale()
         atexit.register(self.stop)
         try:
-            for d in (self.dir, self.dir / "logs", *([self.shared] if self.own_shared else [])):
+            for d in (self.dir, self.dir / "conf", self.dir / "logs", *([self.shared] if self.own_shared else [])):
                 d.mkdir()
                 self._dirs.append(d)
                 d.chmod(0o755)

@@ -50,10 +50,9 @@ def conf_dir_env(env: dict[str, str], home: Path, own: Path) -> dict[str, str]:
     (the caller's ``SPARK_CONF_DIR``, a ``conf/`` in Spark's home): none at all where Spark's home
     has no ``conf/`` (pip's pyspark), so that their class path is the one pyspark's launcher gives a
     local session and they map the class archive the suite makes from one (tests/resources/jvm_archive.py);
-    else ``own``, an empty directory of the cluster's."""
+    else ``own``, an empty directory of the cluster's (made by its ``start``)."""
     env = {k: v for k, v in env.items() if k != "SPARK_CONF_DIR"}
     if (home / "conf").exists():
-        own.mkdir(parents=True, exist_ok=True)
         env["SPARK_CONF_DIR"] = str(own)
     return env
 
@@ -158,6 +157,7 @@ class StandaloneCluster:
 
     def start(self) -> StandaloneCluster:
         """Starts the master, then the workers; returns once every worker is ALIVE on the master."""
+        (self.dir / "conf").mkdir(exist_ok=True)  # empty: SPARK_CONF_DIR where Spark's home has a conf/
         try:
             self._start("master", [
                 "org.apache.spark.deploy.master.Master",
