@@ -13,6 +13,7 @@ ended within its bounds; the jobs by spark-submit; ``sparkdl doctor`` naming bot
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from resources.digits_jobs import check_scored, check_trained
 ROOT = REPO
 DRIVER = ROOT / "tests" / "resources" / "netns_driver.py"
 RUN_TIMEOUT_S = 420
+PARTITION_TIMEOUT_S = 8  # collective_timeout_s of the run that host 2's partition hits
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
@@ -77,7 +80,7 @@ class Driver:
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
             [sys.executable, str(DRIVER), scenario, json.dumps(params)], cwd=ROOT, env=cluster.driver_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -87,10 +90,11 @@ class Driver:
         for line in self.proc.stdout:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
-    def wait_for(self, text: str, timeout_s: float) -> float:
+    def wait_for(self, text: str, timeout_s: float, after: int = 0) -> float:
+        """When a line containing ``text`` came, of those from the ``after``-th on."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for at, line in list(self.lines):
+            for at, line in self.lines[after:]:
                 if text in line:
                     return at
             if self.proc.poll() is not None and not self._reader.is_alive():
@@ -98,8 +102,26 @@ class Driver:
             time.sleep(0.05)
         raise AssertionError(f"{text!r} never came\n" + self.output()[-6000:])
 
+    def start_run(self, name: str) -> int:
+        """Starts the ``faults`` scenario's run ``name``; returns the index of its first line to come."""
+        assert self.proc.stdin is not None
+        after = len(self.lines)
+        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.flush()
+        return after
+
+    def run_result(self, name: str, after: int) -> dict[str, Any]:
+        """The result of the ``faults`` scenario's run ``name``, once it has ended."""
+        self.wait_for(f"RESULT-{name} ", RUN_TIMEOUT_S, after)
+        line = next(line for _, line in self.lines[after:] if line.startswith(f"RESULT-{name} "))
+        result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+        return result
+
     def result(self) -> dict[str, Any]:
+        """The scenario's result, once the driver has ended (its stdin closed: no more runs)."""
         try:
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
+                self.proc.stdin.close()
             self.proc.wait(RUN_TIMEOUT_S)
         finally:
             if self.proc.poll() is None:
@@ -265,16 +287,44 @@ def test_doctor_names_both_hosts_the_shared_directories_the_gpus_and_missing_slo
     _nothing_left(cluster)
 
 
-def test_a_partition_of_host_2_longer_than_the_collective_timeout_ends_within_bounds(cluster: Any) -> None:
-    timeout_s, down_s = 8, 16  # the link is down for twice the collective timeout
-    driver = Driver(cluster, "fault", name="partition", collective_timeout_s=timeout_s, sleep=0.15, epochs=4)
-    began = driver.wait_for("STEP 10 attempt 0", timeout_s=240)
+@pytest.fixture(scope="module")
+def faults(cluster: Any) -> Iterator[Driver]:
+    """One driver application for the runs this module's faults hit (a partition of host 2, then
+    its loss): each run starts when its test asks for it. One application instead of one per run
+    saves a driver JVM, its two executors and their Python zygotes."""
+    driver = Driver(cluster, "faults", runs={
+        "partition": {"collective_timeout_s": PARTITION_TIMEOUT_S, "sleep": 0.15, "epochs": 4},
+        "hostloss": {"sleep": 0.15, "epochs": 4, "start_timeout_s": 30},
+    })
+    try:
+        yield driver
+    finally:
+        if driver.proc.poll() is None:  # a test failed before ending the application: no more runs
+            with contextlib.suppress(Exception):
+                driver.result()
+
+
+def _ranks_on(cluster: Any) -> list[str]:
+    """The rank processes (``sparkdl-rank<r>``, as sparkdl names them) alive on any host."""
+    found = []
+    for index in range(len(cluster.hosts)):
+        for pid in cluster.pids(index):
+            with contextlib.suppress(OSError):
+                if (name := Path(f"/proc/{pid}/comm").read_text().strip()).startswith("sparkdl-rank"):
+                    found.append(f"{name} (pid {pid}) on host {index + 1}")
+    return found
+
+
+def test_a_partition_of_host_2_longer_than_the_collective_timeout_ends_within_bounds(cluster: Any, faults: Driver) -> None:
+    down_s = 2 * PARTITION_TIMEOUT_S  # the link is down for twice the collective timeout
+    after = faults.start_run("partition")
+    began = faults.wait_for("STEP 10 attempt 0", timeout_s=240, after=after)
     cluster.link_down(1)
     try:
         time.sleep(down_s)
     finally:
         cluster.link_up(1)
-    result = driver.result()
+    result = faults.run_result("partition", after)
     ended = time.monotonic() - began
     host2 = cluster.hosts[1].address
     if "error" in result:
@@ -283,20 +333,28 @@ def test_a_partition_of_host_2_longer_than_the_collective_timeout_ends_within_bo
     else:
         # The gang reran once the link was back and finished from its checkpoint.
         assert result["value"]["attempt"] >= 1 and result["value"]["restored_from"] is not None
-    print(f"partition of {down_s} s, collective_timeout_s={timeout_s}: the run ended {ended:.0f} s after it began "
-          f"({'failed' if 'error' in result else 'resumed'})")
-    _nothing_left(cluster)
+    print(f"partition of {down_s} s, collective_timeout_s={PARTITION_TIMEOUT_S}: the run ended {ended:.0f} s after "
+          f"it began ({'failed' if 'error' in result else 'resumed'})")
+    # No rank is left on either host once the run has ended (the application goes on: the next
+    # test's run is in it, and the module's last test checks that nothing is left once it ends).
+    deadline = time.monotonic() + 30
+    while (left := _ranks_on(cluster)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
 
 
-def test_losing_host_2_for_good_fails_within_start_timeout_naming_the_slots(cluster: Any) -> None:
+def test_losing_host_2_for_good_fails_within_start_timeout_naming_the_slots(cluster: Any, faults: Driver) -> None:
     # Last in this module: host 2 does not come back.
-    driver = Driver(cluster, "fault", name="hostloss", sleep=0.15, epochs=4, start_timeout_s=30)
-    driver.wait_for("STEP 5 attempt 0", timeout_s=240)
+    after = faults.start_run("hostloss")
+    faults.wait_for("STEP 5 attempt 0", timeout_s=240, after=after)
     killed = time.monotonic()
     cluster.kill_host(1)
-    result = driver.result()
+    result = faults.run_result("hostloss", after)
     ended = time.monotonic() - killed
     assert result.get("error") in ("InsufficientSlotsError", "RunTimeoutError"), result
     assert "slot" in result["message"], result["message"]
     print(f"host loss: the run failed {ended:.0f} s after host 2 was killed: {result['error']}")
     assert ended < 30 + 60, result["message"]  # start_timeout_s, plus Spark noticing the lost executor
+    # The application that ran both faults ends cleanly, and leaves no Python process behind.
+    faults.result()
+    _nothing_left(cluster)

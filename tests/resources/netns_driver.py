@@ -2,8 +2,10 @@
 
 ``python netns_driver.py SCENARIO PARAMS_JSON``: the Spark confs come from PARAMS_JSON's
 ``conf`` (the cluster's driver confs), storage every host shares is ``shared``, host 2's address
-is ``host2``. Each scenario prints one ``RESULT <json>`` line; rank output is echoed by sparkdl
-as ``[rank r] ...`` lines, which the test reads live to time its faults.
+is ``host2``. Each scenario prints one ``RESULT <json>`` line at its end (``faults``: also a
+``RESULT-<name> <json>`` line after each run, which starts when the test writes its name on
+stdin); rank output is echoed by sparkdl as ``[rank r] ...`` lines, which the test reads live to
+time its faults.
 """
 
 from __future__ import annotations
@@ -185,15 +187,27 @@ def main() -> None:
         out["reference"] = sparkdl.run(train, ds, {}, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/ref")
         fault = {"how": "sigkill", "host": params["host2"], "step": 7}
         out["sigkill"] = sparkdl.run(train, ds, fault, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/kill")
-    else:  # "fault": the test partitions or kills host 2 while this trains
-        started = time.monotonic()
-        fault = {"sleep": params.get("sleep", 0.2), "epochs": params.get("epochs", EPOCHS)}
-        try:
-            out["value"] = sparkdl.run(train, ds, fault, num_workers=2, config=cfg,
-                                       checkpoint_dir=f"{shared}/{params['name']}")
-        except sparkdl.SparkDLError as exc:
-            out["error"], out["message"] = type(exc).__name__, str(exc)
-        out["elapsed_s"] = time.monotonic() - started
+    else:  # "faults": runs that the test partitions or kills host 2 under, one application for all
+        # Each run starts when the test writes its name on stdin (an empty line or EOF: no more), so
+        # that the test acts on the run it asked for; its result comes back as "RESULT-<name> {...}".
+        for line in sys.stdin:
+            if not (name := line.strip()):
+                break
+            run = params["runs"][name]
+            run_cfg = sparkdl.RunConfig(start_timeout_s=run.get("start_timeout_s", 90),
+                                        collective_timeout_s=run.get("collective_timeout_s", 30), slot_wait_s=30)
+            print(f"RUN {name}", flush=True)
+            started = time.monotonic()
+            fault = {"sleep": run.get("sleep", 0.2), "epochs": run.get("epochs", EPOCHS)}
+            got: dict[str, Any] = {}
+            try:
+                got["value"] = sparkdl.run(train, ds, fault, num_workers=2, config=run_cfg,
+                                           checkpoint_dir=f"{shared}/{name}")
+            except sparkdl.SparkDLError as exc:
+                got["error"], got["message"] = type(exc).__name__, str(exc)
+            got["elapsed_s"] = time.monotonic() - started
+            print(f"RESULT-{name} " + json.dumps(got), flush=True)
+            out[name] = got
     spark.stop()
     print("RESULT " + json.dumps(out), flush=True)
 
