@@ -1,11 +1,13 @@
 """``RunConfig(min_workers=M)``: a gang whose executor is gone for good goes on with fewer ranks,
 and grows back at its next checkpoint once an executor returns.
 
-The tests run on a fresh ``local-cluster[2,1,1024]`` each: the test itself asks Spark to
-kill the executor of rank 1 with ``SparkContext.killExecutor``, which also lowers the number of
-executors the application wants, so the cluster manager does not replace it (killing the JVM
-alone makes the local cluster's Master start a new one). Attempt 0 saves a checkpoint first; the
-next attempt must resume from it. The policy part, as a pure function, is in
+The tests share a ``local-cluster[2,1,1024]`` of their own: each test asks Spark to kill the
+executor of rank 1 with ``SparkContext.killExecutor``, which also lowers the number of executors
+the application wants, so the cluster manager does not replace it (killing the JVM alone makes
+the local cluster's Master start a new one). Before the next test, the application asks for two
+executors again and waits until both are registered: a new executor instead of a new
+application. Attempt 0 saves a checkpoint first; the next attempt must resume from it. The
+policy part, as a pure function, is in
 tests/unit/driver/test_shrink_policy.py.
 """
 
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
@@ -100,19 +101,28 @@ class ExecutorKiller:
         assert not self._thread.is_alive()
 
 
+@pytest.fixture(scope="module")
+@needs_session("local-cluster[2,1,1024] of the shrink tests")
+def shrink_cluster(spark_session):  # type: ignore[no-untyped-def]
+    """The application these tests share, apart from the suite's other local-cluster (each test
+    here loses one of its executors)."""
+    return spark_session(MASTER, {"spark.executor.memory": "512m", "spark.sparkdl.test.shrink": "lost executors"})
+
+
 @pytest.fixture
-@needs_session("local-cluster[2,1,1024] of its own, one per test")
-def fresh_cluster(spark_session) -> Iterator[Any]:  # type: ignore[no-untyped-def]
-    """A local-cluster of its own (a test kills one of its executors for good), with both
-    executors registered. The next test that asks for a session stops it."""
+def fresh_cluster(shrink_cluster) -> Iterator[Any]:  # type: ignore[no-untyped-def]
+    """The shrink tests' application with both executors registered: an executor that the test
+    before killed for good is replaced (its kill lowered the number the application wants)."""
     from sparkdl._internal.spark.spark_api import ClassicApi
 
-    session = spark_session(MASTER, {"spark.executor.memory": "512m", "spark.sparkdl.test.shrink": secrets.token_hex(4)})
+    sc = shrink_cluster.sparkContext
+    if ClassicApi(shrink_cluster).task_slots() != 2:
+        assert sc._jsc.sc().requestTotalExecutors(2, 0, sc._jvm.PythonUtils.toScalaMap({}))
     deadline = time.monotonic() + 120
-    while ClassicApi(session).task_slots() != 2:
+    while ClassicApi(shrink_cluster).task_slots() != 2:
         assert time.monotonic() < deadline, "the local cluster's two executors did not register in 120 s"
         time.sleep(0.2)
-    yield session
+    yield shrink_cluster
 
 
 CFG = RunConfig(slot_wait_s=5, start_timeout_s=60, connect_timeout_s=30, kill_grace_s=30, progress=False)
