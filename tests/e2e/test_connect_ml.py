@@ -108,7 +108,10 @@ def test_bad_input_gives_the_same_clear_errors_over_connect(connect_server: Conn
     assert "featuresCol='features' is null in 1 of the" in r["nulls"][1], r["nulls"]
 
 
-def test_models_saved_classic_load_over_connect_and_back(connect_server: ConnectServer, spark: Any, tmp_path: Path) -> None:
+def test_models_saved_classic_load_over_connect_and_back(connect_server: ConnectServer, any_spark: Any, tmp_path: Path) -> None:
+    # The classic side runs on whichever session is running (this test comes late, with the
+    # Connect server): a model saved and scored there is what any classic application saves.
+    spark = any_spark
     import torch
     from pyspark.ml import PipelineModel
     from pyspark.ml.feature import SQLTransformer
