@@ -147,6 +147,8 @@ def estimator(spark: Any, ds_url: str, shared: str) -> dict[str, Any]:
 
 def main() -> None:
     scenario, params = sys.argv[1], json.loads(sys.argv[2])
+    if scenario not in ("main", "packed", "faults"):
+        sys.exit(f"unknown scenario {scenario!r}: main, packed or faults")
     shared, conf = params["shared"], params["conf"]
     cfg = sparkdl.RunConfig(start_timeout_s=params.get("start_timeout_s", 90),
                             collective_timeout_s=params.get("collective_timeout_s", 30),
