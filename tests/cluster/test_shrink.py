@@ -101,6 +101,12 @@ class ExecutorKiller:
         assert not self._thread.is_alive()
 
 
+def want_two_executors(sc: Any) -> None:
+    """Asks the cluster manager for two executors again: after a kill lowered the number the
+    application wants, ``requestExecutors(1)`` does not bring one back."""
+    assert sc._jsc.sc().requestTotalExecutors(2, 0, sc._jvm.PythonUtils.toScalaMap({}))
+
+
 @pytest.fixture(scope="module")
 @needs_session("local-cluster[2,1,1024] of the shrink tests")
 def shrink_cluster(spark_session):  # type: ignore[no-untyped-def]
@@ -117,7 +123,7 @@ def fresh_cluster(shrink_cluster) -> Iterator[Any]:  # type: ignore[no-untyped-d
 
     sc = shrink_cluster.sparkContext
     if ClassicApi(shrink_cluster).task_slots() != 2:
-        assert sc._jsc.sc().requestTotalExecutors(2, 0, sc._jvm.PythonUtils.toScalaMap({}))
+        want_two_executors(sc)
     deadline = time.monotonic() + 120
     while ClassicApi(shrink_cluster).task_slots() != 2:
         assert time.monotonic() < deadline, "the local cluster's two executors did not register in 120 s"
@@ -313,8 +319,7 @@ def test_a_shrunk_gang_grows_back_at_its_next_checkpoint_when_an_executor_return
             if time.monotonic() > deadline:
                 return
             time.sleep(0.1)
-        # Two executors wanted again (requestExecutors(1) after a kill does not bring one back).
-        assert sc._jsc.sc().requestTotalExecutors(2, 0, sc._jvm.PythonUtils.toScalaMap({}))
+        want_two_executors(sc)
         while ClassicApi(fresh_cluster).task_slots() != 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         (log / "returned").touch()
