@@ -77,9 +77,10 @@ class RunConfig:
         mlflow: log the run's metrics and final model to MLflow (the active MLflow run, or a new
             one). ``None`` means the Spark conf ``spark.sparkdl.mlflow.enabled`` (default false).
         prewarm: start each rank by forking a per-executor process that has torch imported
-            already (a "zygote", started by the executor's first run and ended with the executor),
-            which saves the 1.5 to 2.5 s of importing torch on every later launch. ``False``
-            starts every rank as a fresh interpreter.
+            already (a "zygote", started by the executor's first run and ended with the executor;
+            ranks on the driver have the driver's own, ended with the driver process), which saves
+            the 1.5 to 2.5 s of importing torch on every later launch. ``False`` starts every rank
+            as a fresh interpreter.
         stop_on_repeated_error: stop before ``max_attempts`` when a rerun cannot help (see
             :func:`sparkdl._internal.driver.policy.unrecoverable`).
         outcome_wait_s: after a rank fails, how long to wait for the other ranks of its attempt

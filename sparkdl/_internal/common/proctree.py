@@ -129,3 +129,9 @@ def _reap(pids: list[int], deadline: float) -> None:
                 left.discard(pid)
         if left:
             time.sleep(0.01)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILLs the process group that ``pgid`` leads (a rank leads its own): it and all it started."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -36,7 +36,7 @@ from sparkdl._internal.driver.report import build_report
 from sparkdl._internal.fs.private import user_dir
 from sparkdl._internal.horovod.mpi import Endpoint, Mpirun, join_local
 from sparkdl._internal.task.rankproc import RankProcess
-from sparkdl._internal.task.spawn import read_error
+from sparkdl._internal.task.workdir import read_error
 from sparkdl._internal.wire.messages import (
     Exited,
     Gang,
@@ -104,7 +104,7 @@ class LocalLauncher(Launcher):
                 monitor.join(("local", rank), rank, Gang(tuple(range(run.world_size))))
                 proc = RankProcess(
                     spec, workdir, job.fn_bytes, _MonitorSink(monitor, rank),
-                    store=listener if rank == 0 else None, prewarm=False,
+                    store=listener if rank == 0 else None, prewarm=cfg.prewarm, on_driver=True,
                     start_timeout_s=cfg.connect_timeout_s, tail_lines=cfg.log_tail_lines,
                 )
                 procs.append(proc)

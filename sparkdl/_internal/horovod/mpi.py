@@ -42,7 +42,7 @@ from pathlib import Path
 
 from sparkdl._internal.common import proctree
 from sparkdl._internal.task.net import iface_for
-from sparkdl._internal.task.spawn import kill_group, peer_credentials
+from sparkdl._internal.task.spawn import peer_credentials
 from sparkdl._internal.wire.channel import FramedConnection, Message
 from sparkdl._internal.wire.server import ChannelServer
 
@@ -122,7 +122,7 @@ class Endpoint:
         with self._lock:
             daemon = self._daemon
         if daemon is not None and daemon.poll() is None:
-            kill_group(daemon.pid)
+            proctree.kill_group(daemon.pid)
 
     def join(self, timeout_s: float, alive: Callable[[], str | None] = lambda: None) -> dict[str, str]:
         """The variables that make the rank this rank of the MPI job, once its proxy checked in.
@@ -208,7 +208,7 @@ class Endpoint:
         if proxy is not None:
             proxy.close()
         if daemon is not None:
-            kill_group(daemon.pid)
+            proctree.kill_group(daemon.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 daemon.wait(_STOP_S)
         self._server.close()
@@ -309,7 +309,7 @@ class Mpirun:
     def close(self) -> None:
         if self._proc.poll() is None:
             proctree.kill_descendants(self._proc.pid)
-        kill_group(self._proc.pid)
+        proctree.kill_group(self._proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(_STOP_S)
         self._relay.join(timeout=1)

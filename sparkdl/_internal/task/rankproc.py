@@ -29,7 +29,7 @@ from typing import IO, Any, Protocol
 from sparkdl._internal.common import proctree
 from sparkdl._internal.rank.main import LIFELINE_FRAME, STACK_SIGNAL, STACKS_FILE
 from sparkdl._internal.task.net import iface_for
-from sparkdl._internal.task.spawn import ProcessHandle, kill_group, start_rank
+from sparkdl._internal.task.spawn import ProcessHandle, start_rank
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, gang_env, rank_env
 
 # How long a rank has to write its stacks once signalled, and the most of them kept.
@@ -191,6 +191,7 @@ class RankProcess:
         prewarm: bool,
         start_timeout_s: float,
         tail_lines: int,
+        on_driver: bool = False,
         fallback_out: IO[str] | None = None,
         fallback_err: IO[str] | None = None,
     ) -> None:
@@ -216,7 +217,8 @@ class RankProcess:
             fds["store"] = store.fileno()
         try:
             self._proc: ProcessHandle = start_rank(
-                str(workdir), env, fds, name=f"sparkdl-rank{spec.rank}", prewarm=prewarm, timeout_s=start_timeout_s
+                str(workdir), env, fds, name=f"sparkdl-rank{spec.rank}", prewarm=prewarm, timeout_s=start_timeout_s,
+                on_driver=on_driver,
             )
         except BaseException:
             for fd in (metrics_r, self._lifeline_w, self._control_w):
@@ -248,7 +250,7 @@ class RankProcess:
         code = self._proc.wait(timeout)
         # Children the rank left behind (DataLoader workers, ...) would hold the pipes open. Those
         # outside its group went to the zygote or the task when it died, which end them.
-        kill_group(self.pid)
+        proctree.kill_group(self.pid)
         self.ready.set()
         for relay in self._relays:
             relay.thread.join(timeout=10)
@@ -279,7 +281,7 @@ class RankProcess:
         descendants that left the group, as long as the rank lives to hold them."""
         if self._proc.returncode is None:  # not yet reaped: the pid is still the rank's
             proctree.kill_descendants(self.pid)
-        kill_group(self.pid)
+        proctree.kill_group(self.pid)
 
     def close(self) -> None:
         """Ends the rank and everything it started; safe to call more than once."""

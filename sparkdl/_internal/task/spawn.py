@@ -1,6 +1,7 @@
-"""Starting a rank's process: forked from the executor's warm zygote (:mod:`sparkdl._internal.task.zygote`),
-or as a fresh interpreter (``python -m sparkdl._internal.rank``) when the zygote cannot be had or is not
-wanted (``RunConfig.prewarm=False``, and ranks on the driver).
+"""Starting a rank's process: forked from a warm zygote (:mod:`sparkdl._internal.task.zygote`), the
+executor's or, for ranks on the driver (``HorovodRunner(np<0)``, ``TorchDistributor(local_mode=True)``),
+the driver's own; or as a fresh interpreter (``python -m sparkdl._internal.rank``) when the zygote
+cannot be had or is not wanted (``RunConfig.prewarm=False``).
 
 Both give an object with ``pid``, ``stdout``, ``stderr``, ``wait(timeout=None)`` and
 ``returncode``, as :class:`subprocess.Popen` does; the rank leads its own process group either way.
@@ -22,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import IO, Any, ClassVar, Protocol
 
 from sparkdl._internal.common import proctree
@@ -91,6 +91,9 @@ class Zygote:
     """
 
     _current: ClassVar[Zygote | None] = None
+    # The driver's zygote (ranks on the driver), and the key only this driver process holds.
+    _driver: ClassVar[Zygote | None] = None
+    _driver_key: ClassVar[tuple[int, bytes] | None] = None
     # Zygotes this worker started: polled so that one that exits is reaped, not left a zombie.
     _started: ClassVar[list[subprocess.Popen[bytes]]] = []
 
@@ -130,17 +133,22 @@ class Zygote:
         self.sock.send(json.dumps({"proof": proof(key, b"task", theirs, mine).hex()}).encode())
 
     @classmethod
-    def get(cls, timeout_s: float) -> Zygote:
-        """This executor's zygote: connected on first use, started if none runs, again if lost."""
+    def get(cls, timeout_s: float, *, on_driver: bool = False) -> Zygote:
+        """This executor's zygote, or with ``on_driver`` this driver's (it ends with this process;
+        its key is drawn here and kept in memory): connected on first use, started if none runs,
+        again if lost."""
         cls._started = [proc for proc in cls._started if proc.poll() is None]
-        current = cls._current
+        current = cls._driver if on_driver else cls._current
         if current is not None and current.alive():
             return current
         if current is not None:
             current.close()
-        key = executor_key()
-        sock = _connect(zygote_address(key), key, timeout_s, cls._started)
-        cls._current = current = Zygote(sock, key, timeout_s)
+        if on_driver and (cls._driver_key is None or cls._driver_key[0] != os.getpid()):
+            cls._driver_key = (os.getpid(), secrets.token_bytes(32))  # a forked child draws its own
+        key = cls._driver_key[1] if on_driver and cls._driver_key else executor_key()
+        sock = _connect(zygote_address(key), key, timeout_s, cls._started, os.getpid() if on_driver else os.getppid())
+        current = Zygote(sock, key, timeout_s)
+        setattr(cls, "_driver" if on_driver else "_current", current)
         return current
 
     @classmethod
@@ -225,6 +233,8 @@ class Zygote:
                 os.kill(self.pid, signal.SIGKILL)
         if Zygote._current is self:
             Zygote._current = None
+        if Zygote._driver is self:
+            Zygote._driver = None
 
 
 def _parent_identity() -> tuple[int, str]:
@@ -264,8 +274,11 @@ def zygote_address(key: bytes) -> str:
     return f"sparkdl-zygote-{hmac.new(key, what.encode(), hashlib.sha256).hexdigest()[:32]}"
 
 
-def _connect(address: str, key: bytes, timeout_s: float, started: list[subprocess.Popen[bytes]]) -> socket.socket:
-    """Connects to the zygote at ``address``, starting it first if none listens there."""
+def _connect(
+    address: str, key: bytes, timeout_s: float, started: list[subprocess.Popen[bytes]], watched: int
+) -> socket.socket:
+    """Connects to the zygote at ``address``, starting it first if none listens there; a zygote
+    started here ends when process ``watched`` does."""
     deadline = time.monotonic() + timeout_s
     proc: subprocess.Popen[bytes] | None = None
     starts = 0
@@ -286,7 +299,7 @@ def _connect(address: str, key: bytes, timeout_s: float, started: list[subproces
                 )
             starts += 1
             proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "sparkdl._internal.task.zygote", address, str(os.getppid())],
+                [sys.executable, "-u", "-m", "sparkdl._internal.task.zygote", address, str(watched)],
                 stdin=subprocess.PIPE,
                 start_new_session=True,
             )
@@ -339,15 +352,17 @@ def start_rank(
     name: str,
     prewarm: bool,
     timeout_s: float,
+    on_driver: bool = False,
 ) -> ProcessHandle:
     """Starts one rank with ``fds`` (lifeline, control, metrics and, on rank 0, store) passed on.
 
-    With ``prewarm`` the rank is forked from the zygote, which has torch imported already; if the
-    zygote cannot be had, or without ``prewarm``, it is a fresh ``python -m sparkdl._internal.rank``.
+    With ``prewarm`` the rank is forked from the zygote (the driver's with ``on_driver``), which
+    has torch imported already; if the zygote cannot be had, or without ``prewarm``, it is a fresh
+    ``python -m sparkdl._internal.rank``.
     """
     if prewarm and hasattr(socket, "send_fds") and hasattr(os, "fork"):
         try:
-            return _fork_rank(workdir, env, fds, name=name, timeout_s=timeout_s)
+            return _fork_rank(workdir, env, fds, name=name, timeout_s=timeout_s, on_driver=on_driver)
         except ZygoteError as exc:
             log.warning("sparkdl: starting %s as a fresh interpreter: %s", name, exc)
     child_env = {**env, **fd_env(fds)}
@@ -362,8 +377,10 @@ def start_rank(
     )
 
 
-def _fork_rank(workdir: str, env: dict[str, str], fds: dict[str, int], *, name: str, timeout_s: float) -> ForkedRank:
-    zygote = Zygote.get(timeout_s)
+def _fork_rank(
+    workdir: str, env: dict[str, str], fds: dict[str, int], *, name: str, timeout_s: float, on_driver: bool
+) -> ForkedRank:
+    zygote = Zygote.get(timeout_s, on_driver=on_driver)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     request = {"workdir": workdir, "env": env, "cwd": os.getcwd(), "sys_path": list(sys.path), "name": name}
@@ -379,20 +396,3 @@ def _fork_rank(workdir: str, env: dict[str, str], fds: dict[str, int], *, name: 
         os.close(out_w)
         os.close(err_w)
     return ForkedRank(zygote, pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
-
-
-def kill_group(pgid: int) -> None:
-    """SIGKILLs the process group of a rank (the rank leads it): the rank and all it started."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def read_error(workdir: Path) -> tuple[str | None, str | None, float | None]:
-    """The error, traceback and time (``time.time()`` of this host) a failed rank recorded in its
-    workdir, if it could."""
-    try:
-        info = json.loads((workdir / "error.json").read_text())
-        at = info.get("at")
-        return info.get("error"), info.get("traceback"), float(at) if isinstance(at, int | float) else None
-    except (OSError, ValueError, AttributeError):
-        return None, None, None
