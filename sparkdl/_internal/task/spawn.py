@@ -138,13 +138,14 @@ class Zygote:
         its key is drawn here and kept in memory): connected on first use, started if none runs,
         again if lost."""
         cls._started = [proc for proc in cls._started if proc.poll() is None]
+        if on_driver and (cls._driver_key is None or cls._driver_key[0] != os.getpid()):
+            # First use, or a forked child of the driver: never its parent's connection or key.
+            cls._driver, cls._driver_key = None, (os.getpid(), secrets.token_bytes(32))
         current = cls._driver if on_driver else cls._current
         if current is not None and current.alive():
             return current
         if current is not None:
             current.close()
-        if on_driver and (cls._driver_key is None or cls._driver_key[0] != os.getpid()):
-            cls._driver_key = (os.getpid(), secrets.token_bytes(32))  # a forked child draws its own
         key = cls._driver_key[1] if on_driver and cls._driver_key else executor_key()
         sock = _connect(zygote_address(key), key, timeout_s, cls._started, os.getpid() if on_driver else os.getppid())
         current = Zygote(sock, key, timeout_s)
