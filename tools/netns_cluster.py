@@ -409,6 +409,14 @@ class NetnsCluster:
         self.stop()
 
 
+def _ended(pid: int) -> bool:
+    """Whether a process has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def _owner_id(pid: int) -> str:
     """A process's pid and start time (a pid alone may be reused), or "" when it does not run."""
     try:
@@ -434,10 +442,19 @@ def sweep_stale() -> list[str]:
             if recorded and _owner_id(int(recorded.split()[0])) == recorded:
                 continue  # alive
         ours = [n for n in names if n.startswith(f"sdl{token}-")]
-        for ns in ours:
-            for pid in _ip("netns", "pids", ns, check=False).split():
+        # SIGKILL until every process of the namespaces has ended: a process leaves its namespace
+        # early in its exit, while a JVM's threads still unwind, and one may fork while it dies.
+        killed: set[int] = set()
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            pids = {int(p) for ns in ours for p in _ip("netns", "pids", ns, check=False).split()}
+            killed |= pids
+            if not pids and all(_ended(pid) for pid in killed):
+                break
+            for pid in pids:
                 with contextlib.suppress(OSError):
-                    os.kill(int(pid), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
         for link in [link for link in links if token in link]:
             _ip("link", "del", link, check=False)
         for ns in ours:
