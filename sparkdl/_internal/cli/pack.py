@@ -11,9 +11,10 @@ interpreter itself is not packed: ``env/bin/python`` links to the venv's base Py
 executor host needs at the same path (``--python-prefix`` names another one).
 
 Left out: pyspark and py4j, which the cluster's Spark brings (its pyspark comes first on its
-workers' path, and a second copy is half a gigabyte). Refused before anything is written: a
-Python that is not a venv (a conda environment is packed by conda-pack), a venv without torch,
-pyarrow or sparkdl, and a sparkdl installed in editable mode, whose code stays in the checkout.
+workers' path, and a second copy is half a gigabyte). Refused before anything is written: an
+archive named .tar (Spark cannot unpack a venv from one), a Python that is not a venv (a conda
+environment is packed by conda-pack), a venv without torch, pyarrow or sparkdl, and a sparkdl
+installed in editable mode, whose code stays in the checkout.
 """
 
 from __future__ import annotations
@@ -63,10 +64,21 @@ def check_venv(prefix: Path) -> None:
                         "it as a wheel (pip install . , or pip install sparkdl) and pack again")
 
 
+def check_format(output: Path) -> None:
+    """Refuses a plain ``.tar``: Spark (3.5 and 4 checked) unpacks it with Java code of its own, which
+    fails the application at its start on a venv's archive ("expanding bin/python3.11 would create
+    entry outside of ..."), where it unpacks a .tar.gz with the system's tar."""
+    if output.name.lower().endswith(".tar"):
+        raise PackError(f"{output.name}: Spark cannot unpack a venv from a plain .tar (the application fails at "
+                        "its start: \"expanding bin/python3.11 would create entry outside of ...\"): name it "
+                        f"{output.name}.gz (--compress-level 0 for no compression)")
+
+
 def pack(prefix: Path, output: Path, *, python_prefix: str | None = None, compress_level: int = 4,
          exclude: list[str] | None = None, force: bool = False) -> Path:
-    """Packs the venv at ``prefix`` into ``output`` (its format from the name: .tar.gz, .tgz, .tar,
+    """Packs the venv at ``prefix`` into ``output`` (its format from the name: .tar.gz, .tgz,
     .zip) without pyspark and py4j; returns the archive's path. Raises PackError."""
+    check_format(output)
     check_venv(prefix)
     try:
         import venv_pack
@@ -92,7 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "pyspark and py4j, which the cluster's Spark brings) into an archive that spark-submit "
                        "--archives ships to every executor, and prints the settings that use it.")
     p.add_argument("-o", "--output", default="sparkdl-env.tar.gz",
-                   help="the archive; .tar.gz, .tgz, .tar or .zip (default: %(default)s)")
+                   help="the archive; .tar.gz, .tgz or .zip (default: %(default)s)")
     p.add_argument("--name", default="env", help="the directory it unpacks to on executors (default: %(default)s)")
     p.add_argument("--python-prefix", default=None,
                    help="where the executors' base Python lives, if not where this venv's does (e.g. /usr)")

@@ -32,3 +32,15 @@ def test_a_venv_without_torch_pyarrow_or_sparkdl_is_refused_naming_them(tmp_path
 def test_a_python_that_is_not_a_venv_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PackError, match=r"not a virtual environment \(no pyvenv.cfg\).*conda-pack"):
         check_venv(tmp_path)
+
+
+def test_a_plain_tar_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # Spark 3.5 and 4 fail the application at its start on a venv packed as .tar (checked by hand:
+    # spark.archives=env.tar#env, "expanding ... would create entry outside of"); .tar.gz works.
+    out = tmp_path / "env.tar"
+    done = subprocess.run([sys.executable, "-m", "sparkdl", "pack", "-o", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "env.tar: Spark cannot unpack a venv from a plain .tar" in done.stderr, done.stderr
+    assert "name it env.tar.gz" in done.stderr and "editable" not in done.stderr, done.stderr
+    assert not out.exists()
