@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -347,18 +348,11 @@ class NetnsCluster:
         return self._signal([self.host(ref)], signal.SIGKILL, timeout_s)
 
     def _signal(self, hosts: list[Host], sig: int, timeout_s: float) -> list[int]:
-        """Signals every process of ``hosts`` until none is left or ``timeout_s`` passed."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            pids = [pid for h in hosts if h.name in self._netns for pid in self.pids(h)]
-            if not pids or time.monotonic() > deadline:
-                return pids
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            time.sleep(0.1)
-            for h in hosts:  # reap the daemons: a zombie is in no namespace any more
+        """Signals every process of ``hosts`` until each has ended or ``timeout_s`` passed."""
+        def reap() -> None:  # the daemons are this process's children
+            for h in hosts:
                 _ = h.proc and h.proc.poll()
+        return _signal_namespaces([h.name for h in hosts if h.name in self._netns], sig, timeout_s, reap)
 
     def restart_host(self, ref: HostRef) -> None:
         """Starts a worker whose processes were killed (kill_host) again, with a fresh private /tmp,
@@ -409,6 +403,26 @@ class NetnsCluster:
         self.stop()
 
 
+def _signal_namespaces(names: list[str], sig: int, timeout_s: float,
+                       reap: Callable[[], None] = lambda: None) -> list[int]:
+    """Signals every process in the network namespaces ``names`` until each has ended (gone, or a
+    zombie) or ``timeout_s`` passed; returns those left. A process leaves its namespace early in its
+    exit, while a JVM's threads still unwind, so those signalled are watched until they end."""
+    signalled: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = {int(p) for ns in names for p in _ip("netns", "pids", ns, check=False).split()}
+        left = sorted(pids | {pid for pid in signalled if not _ended(pid)})
+        if not left or time.monotonic() > deadline:
+            return left
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        signalled |= pids
+        time.sleep(0.1)
+        reap()
+
+
 def _ended(pid: int) -> bool:
     """Whether a process has exited (gone, or a zombie its parent has not reaped yet)."""
     try:
@@ -442,19 +456,7 @@ def sweep_stale() -> list[str]:
             if recorded and _owner_id(int(recorded.split()[0])) == recorded:
                 continue  # alive
         ours = [n for n in names if n.startswith(f"sdl{token}-")]
-        # SIGKILL until every process of the namespaces has ended: a process leaves its namespace
-        # early in its exit, while a JVM's threads still unwind, and one may fork while it dies.
-        killed: set[int] = set()
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            pids = {int(p) for ns in ours for p in _ip("netns", "pids", ns, check=False).split()}
-            killed |= pids
-            if not pids and all(_ended(pid) for pid in killed):
-                break
-            for pid in pids:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
+        _signal_namespaces(ours, signal.SIGKILL, 10.0)
         for link in [link for link in links if token in link]:
             _ip("link", "del", link, check=False)
         for ns in ours:
