@@ -152,6 +152,19 @@ ensure_pyspark_bytecode() {
   "$VENV/bin/python" "$ROOT/tools/pyspark_bytecode.py"
 }
 
+ensure_jar_times() {
+  # pip gives each file it installs the time of the install, and a JVM maps a class-data-sharing
+  # archive (the tests make one of Spark's classes: tests/resources/jvm_archive.py) only while the
+  # jars on its class path have the sizes and times recorded in it. With one fixed time, a venv
+  # made again at the same path (a fresh clone of CI's checkout, a venv rebuilt after a change of
+  # constraints) finds the archive made for the one before instead of making its own (40-90 s).
+  local jars
+  for jars in "$VENV"/lib/python3*/site-packages/pyspark/jars; do
+    [ -d "$jars" ] && find "$jars" -maxdepth 1 -name '*.jar' -exec touch -h -d '@946684800' {} +  # 2000-01-01 UTC
+  done
+  return 0
+}
+
 ensure_project_bytecode() {
   # The checkout's own modules (sparkdl, installed editable; tests/resources, tools and jobs, which
   # the tests run as programs or import) load from source, and where PYTHONDONTWRITEBYTECODE is set
@@ -177,6 +190,7 @@ ensure_venv
 ensure_tensorflow
 ensure_dali
 ensure_pyspark_bytecode
+ensure_jar_times
 ensure_project_bytecode
 # Read by tools/build-horovod.sh, so that a venv gets its own stack's pins.
 [ "$(cat "$VENV/.sparkdl-stack" 2>/dev/null)" = "$STACK" ] || echo "$STACK" > "$VENV/.sparkdl-stack"

@@ -40,7 +40,7 @@ def _key(jars: Path, jvm_opts: str) -> str:
     java = subprocess.run(["java", "-Xshare:auto", "-version"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "JAVA_TOOL_OPTIONS": ""})
     h = hashlib.sha256(java.stderr.encode() + jvm_opts.encode() + str(jars).encode())
-    for jar in sorted(jars.iterdir()):
+    for jar in sorted(jars.glob("*.jar")):  # the class path (jars/*); not the directories beside them
         st = jar.stat()
         h.update(f"{jar.name} {st.st_size} {st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
