@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 BUILD_TIMEOUT_S = 300
-KEEP = 4  # archives kept in the cache
+KEEP = 6  # archives kept in the cache: two stacks for each of three checkouts (a working tree, a fresh clone, CI's)
 QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
