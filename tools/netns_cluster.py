@@ -318,7 +318,7 @@ class NetnsCluster:
 
     def pids(self, ref: HostRef) -> list[int]:
         """Every process in a host's network namespace (``ip netns pids``)."""
-        return [int(p) for p in _ip("netns", "pids", self.host(ref).name, check=False).split()]
+        return _netns_pids(self.host(ref).name)
 
     def listeners(self, ref: HostRef) -> list[tuple[str, int, int, str]]:
         """TCP listeners in a host's namespace: (address, port, pid, command line)."""
@@ -411,7 +411,7 @@ def _signal_namespaces(names: list[str], sig: int, timeout_s: float,
     signalled: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while True:
-        pids = {int(p) for ns in names for p in _ip("netns", "pids", ns, check=False).split()}
+        pids = {pid for ns in names for pid in _netns_pids(ns)}
         left = sorted(pids | {pid for pid in signalled if not _ended(pid)})
         if not left or time.monotonic() > deadline:
             return left
@@ -421,6 +421,11 @@ def _signal_namespaces(names: list[str], sig: int, timeout_s: float,
         signalled |= pids
         time.sleep(0.1)
         reap()
+
+
+def _netns_pids(name: str) -> list[int]:
+    """Every process in the network namespace ``name`` (``ip netns pids``; none if it is gone)."""
+    return [int(p) for p in _ip("netns", "pids", name, check=False).split()]
 
 
 def _ended(pid: int) -> bool:
