@@ -74,3 +74,67 @@ def test_dali_settings_are_checked() -> None:
     out, bad = DALI.decode_batch([{"data": b""}], [np.random.default_rng(0)])
     assert out == [None] and isinstance(bad[0], sparkdl._internal.data.images.BadImage)
     assert "engine='dali' takes encoded images (a binary column), got dict" in str(bad[0])
+
+
+FORKS = r"""
+import gc, multiprocessing, subprocess, sys, threading
+import numpy as np
+from nvidia.dali.pipeline import Pipeline
+from resources.photos import photos
+from sparkdl import ImageDecoder
+
+decoder = ImageDecoder(32, engine="dali")
+images, rngs = photos(4), [np.random.default_rng(i) for i in range(4)]
+# A pipeline that only the cyclic collector would free (a thread that used it ended; a traceback
+# kept a frame that referred to it), when a child is forked as pyspark starts its JVM: its
+# preexec_fn runs Python in the child, where the collector may run.
+gc.disable()
+def used_then_kept_in_a_cycle():
+    decoder.decode_batch(images, rngs)
+    cycle = [[ref() for ref in Pipeline._pipes]]
+    cycle.append(cycle)
+thread = threading.Thread(target=used_then_kept_in_a_cycle)
+thread.start(); thread.join()
+assert any(ref() is not None for ref in Pipeline._pipes), "no pipeline awaits the collector"
+child = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=gc.collect)
+print("preexec", child.wait(), flush=True)
+gc.enable(); gc.collect()
+# A pipeline in use by a live decode thread when a child is forked (the loader's decode
+# processes): the child clears its copy of that thread, and collects.
+ready, finish = threading.Event(), threading.Event()
+def decoding():
+    decoder.decode_batch(images, rngs); ready.set(); finish.wait()
+thread = threading.Thread(target=decoding)
+thread.start(); ready.wait()
+worker = multiprocessing.get_context("fork").Process(target=gc.collect)
+worker.start(); worker.join()
+print("fork", worker.exitcode, flush=True)
+finish.set(); thread.join()
+# The thread that built it has ended: the pipeline is let go in the parent.
+gc.collect()
+print("left", sum(ref() is not None for ref in Pipeline._pipes), flush=True)
+"""
+
+
+def test_children_forked_while_dali_pipelines_exist_neither_hang_nor_crash() -> None:
+    """A child that inherits a DALI pipeline must never shut it down: DALI's threads are not in the
+    child, and its shutdown there hung or segfaulted (CI: pyspark's JVM launch died in its
+    preexec_fn when the collector freed a pipeline left from a bad-sample test)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.Popen([sys.executable, "-c", FORKS], cwd=REPO / "tests", stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and the child it waits for
+        out, _ = proc.communicate()
+        pytest.fail(f"a forked child hung:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    lines = out.splitlines()
+    assert "preexec 0" in lines and "fork 0" in lines and "left 0" in lines, out[-3000:]
