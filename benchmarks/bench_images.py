@@ -40,6 +40,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -156,21 +157,21 @@ def way_petastorm(images: str, batch: int, epochs: int) -> dict[str, float]:
         return pdf
 
     spec = TransformSpec(transform, edit_fields=[("content", np.uint8, (3, 224, 224), False)])
-    counted = {"images": 0}
     n = len(converter)
-    with converter.make_torch_dataloader(batch_size=batch, num_epochs=None, transform_spec=spec,
-                                         workers_count=cores()) as loader:
-        it = iter(loader)
+    try:
+        with converter.make_torch_dataloader(batch_size=batch, num_epochs=None, transform_spec=spec,
+                                             workers_count=cores()) as loader:
+            it = iter(loader)
 
-        def epoch(e: int) -> Any:
-            for _ in range(math.ceil(n / batch)):
-                yield next(it)["content"]
+            def epoch(e: int) -> Any:
+                for _ in range(math.ceil(n / batch)):
+                    yield next(it)["content"]
 
-        out = _time(epoch, epochs)
-    converter.delete()
-    spark.stop()
-    del counted
-    return out
+            return _time(epoch, epochs)
+    finally:  # the converter's cache and the directory it was put in (Petastorm leaves the latter)
+        converter.delete()
+        spark.stop()
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def way_ray(images: str, batch: int, epochs: int) -> dict[str, float]:
