@@ -1,16 +1,21 @@
 """ImageDecoder(engine="dali"): NVIDIA DALI's CPU operators decode, crop and resize each batch, with
 the regions and flips drawn as sparkdl's own decoder draws them, so the loader's promises hold
 with DALI too: the same pixels for the same seed, the crops of the CPU engine, bad samples named
-or skipped. Skipped, with the reason, where DALI is not installed (SPARKDL_WITH_DALI=0); its GPU
+or skipped; and a child forked while DALI pipelines exist neither hangs nor crashes. Skipped, with the reason, where DALI is not installed (SPARKDL_WITH_DALI=0); its GPU
 path is a check of tools/gpu-check."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from resources.photos import photos
 from test_images import _bad_samples, _write
 
@@ -120,13 +125,6 @@ def test_children_forked_while_dali_pipelines_exist_neither_hang_nor_crash() -> 
     """A child that inherits a DALI pipeline must never shut it down: DALI's threads are not in the
     child, and its shutdown there hung or segfaulted (CI: pyspark's JVM launch died in its
     preexec_fn when the collector freed a pipeline left from a bad-sample test)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
     proc = subprocess.Popen([sys.executable, "-c", FORKS], cwd=REPO / "tests", stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
