@@ -11,7 +11,11 @@ Each of ``--ranks`` processes (gloo, CPU) holds its shards of the same MLP, shar
   file with ``CheckpointStore.save`` (``torch.save``), and loading it back (every rank reads the
   file and keeps its part, ``set_state_dict`` with ``full_state_dict=True``).
 
-Prints the times, the checkpoint's size, and the sharded/rank-0 ratios.
+Both saves are timed again with ``RunConfig.checkpoint_sync`` (every file and directory entry
+fsynced before the commit counts), against the same saves without it. Every load verifies the
+checkpoint against its commit record first (sizes, SHA-256 of the data file and of DCP's metadata).
+
+Prints the times, the checkpoint's size, the sharded/rank-0 ratios and the fsync/no-fsync ratios.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--ranks 2] [--hidden 2048] [--layers 6]
 """
@@ -83,10 +87,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
 
     sharded_store = CheckpointStore(f"{root}/sharded", keep=1)
     full_store = CheckpointStore(f"{root}/rank0", keep=1)
+    synced = {"sharded": CheckpointStore(f"{root}/sharded-sync", keep=1, sync=True),
+              "rank0": CheckpointStore(f"{root}/rank0-sync", keep=1, sync=True)}
 
-    def sharded_save() -> None:
+    def sharded_save(store: CheckpointStore = sharded_store) -> None:
         msd, osd = get_state_dict(net, opt)
-        sharded.save(sharded_store, {"model": msd, "optimizer": osd})
+        sharded.save(store, {"model": msd, "optimizer": osd})
 
     def sharded_load() -> None:
         msd, osd = get_state_dict(net, opt)
@@ -97,10 +103,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
-    def full_save() -> None:
+    def full_save(store: CheckpointStore = full_store) -> None:
         msd, osd = get_state_dict(net, opt, options=full)
         if rank == 0:
-            full_store.save({"model": msd, "optimizer": osd})
+            store.save({"model": msd, "optimizer": osd})
 
     def full_load() -> None:
         ckpt = full_store.load()
@@ -112,6 +118,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
         "sharded_load": _timed(sharded_load, args.repeat),
         "rank0_save": _timed(full_save, args.repeat),
         "rank0_load": _timed(full_load, args.repeat),
+        "sharded_save_sync": _timed(lambda: sharded_save(synced["sharded"]), args.repeat),
+        "rank0_save_sync": _timed(lambda: full_save(synced["rank0"]), args.repeat),
     }
     if rank == 0:
         size = sum(p.stat().st_size for p in Path(root, "rank0").glob("ckpt-*.pt"))
@@ -151,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     for what in ("save", "load"):
         s, r = figures[f"sharded_{what}"], figures[f"rank0_{what}"]
         print(f"{what}: sharded {s:.2f} s, rank-0 torch.save {r:.2f} s: ratio {s / r:.2f}")
+    for how in ("sharded", "rank0"):
+        plain, synced = figures[f"{how}_save"], figures[f"{how}_save_sync"]
+        print(f"save with checkpoint_sync, {how}: {synced:.2f} s against {plain:.2f} s without: ratio {synced / plain:.2f}")
     return 0
 
 

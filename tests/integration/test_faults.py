@@ -222,3 +222,48 @@ def test_losing_the_executor_of_a_rank_reschedules_the_gang(local_cluster, datas
     assert out["attempt"] >= 1 and out["restored_from"] is not None
     _assert_same_weights(out["weights"], reference["weights"])
     wait_no_leaks(before)
+
+
+def hold_the_directory(gate: str) -> int | None:
+    """Saves a checkpoint, says so, then waits (bounded) until the test lets it finish."""
+    ctx = sparkdl.context()
+    seq = ctx.save_checkpoint({"step": 1})
+    Path(gate, "saved").write_text(ctx.run_id)
+    deadline = time.monotonic() + 60
+    while not Path(gate, "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seq
+
+
+def test_a_second_run_on_a_live_runs_checkpoint_directory_is_refused_naming_both(spark, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    ckpt, gate = tmp_path / "ckpt", tmp_path / "gate"
+    gate.mkdir()
+    first: dict[str, Any] = {}
+
+    def run_first() -> None:
+        try:
+            first["out"] = sparkdl.run(hold_the_directory, str(gate), num_workers=1, config=CFG,
+                                       checkpoint_dir=str(ckpt))
+        except BaseException as exc:  # reported by the assertion below
+            first["error"] = exc
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not (gate / "saved").exists() and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (gate / "saved").exists(), f"the first run did not save: {first}"
+        with pytest.raises(sparkdl.SparkDLError) as info:
+            sparkdl.run(hold_the_directory, str(gate), num_workers=1, config=CFG, checkpoint_dir=str(ckpt))
+        message = str(info.value)
+        holder = (gate / "saved").read_text()
+        assert f"in use by run {holder}" in message and "did not start" in message
+    finally:
+        (gate / "go").write_text("")
+        thread.join(timeout=120)
+    assert first.get("out") == 1, f"the first run was harmed: {first}"
+    assert sparkdl.CheckpointStore(str(ckpt)).load() == {"step": 1}
+    assert not (ckpt / ".sparkdl-run.json").exists(), "the run that ended kept its lease"

@@ -19,7 +19,7 @@ from typing import Any
 
 import cloudpickle
 import pytest
-from resources.safe_loading import Planted, _plain_draws
+from resources.safe_loading import Planted, _plain_draws, plant_checkpoint
 
 import sparkdl
 
@@ -155,8 +155,8 @@ def test_a_checkpoint_another_user_planted_is_not_run_on_restore_unless_opted_in
         "loader": dataset.loader(BATCH, shuffle=True, seed=1, drop_last=True, rank=0, world_size=2).state_dict(),
         "global_step": 0, "extra": {"payload": Planted(str(marker))}, "rng": [],
     }
-    torch.save(planted, ckpt / "ckpt-00000001.pt")
-    for path in (ckpt, ckpt / "ckpt-00000001.pt"):
+    plant_checkpoint(ckpt, 1, planted)
+    for path in (ckpt, ckpt / "ckpt-00000001.pt", ckpt / "ckpt-00000001.json"):
         os.chown(path, other_user.uid, other_user.gid)
 
     with pytest.raises(sparkdl.RunFailedError) as info:

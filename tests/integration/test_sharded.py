@@ -185,10 +185,73 @@ def test_planted_metadata_is_refused_without_running_it(spark, dataset, referenc
             return (os.system, (f"touch {marker}",))
 
     (latest / ".metadata").write_bytes(pickle.dumps(Payload()))
+    _forge_record(ckpt, latest.name)  # the planter rewrites the commit record to match
     with pytest.raises(sparkdl.RunFailedError, match=r"metadata.*holds what no checkpoint metadata holds"):
         sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, max_attempts=1, config=CFG,
                     checkpoint_dir=str(ckpt))
     assert not marker.exists()
+
+
+def _forge_record(ckpt: Path, shard_dir: str) -> None:
+    """What a planter who knows the format does: the commit record made to match planted shards."""
+    import pyarrow.fs as pafs
+
+    from sparkdl._internal.train import records
+
+    path = next(p for p in ckpt.glob("ckpt-*.json") if json.loads(p.read_text())["shards"]["dir"] == shard_dir)
+    record = json.loads(path.read_text())
+    record["shards"] = records.describe_shards(pafs.LocalFileSystem(), str(ckpt), shard_dir)
+    path.write_text(json.dumps(record))
+
+
+def test_planted_byte_entries_in_real_metadata_are_refused_without_running_them(spark, dataset, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    """DCP reads an entry its metadata marks as bytes with torch.load(weights_only=False): the
+    planter marks a tensor that every restore asks for as bytes, stored in a shard file of its own."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    opts = {"batch": 16, "epochs": 1, "save_every": 4}
+    ckpt = tmp_path / "ckpt"
+    sparkdl.run(train, dataset, opts, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
+    latest = max(p for p in ckpt.iterdir() if p.is_dir())
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    metadata = pickle.loads((latest / ".metadata").read_bytes())  # sparkdl's own, read by the test
+    key = sorted(metadata.state_dict_metadata)[0]  # e.g. "model/0.weight": a key every restore requests
+    payload = pickle.dumps(Payload())
+    (latest / "__9_0.distcp").write_bytes(payload)
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn != key}
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(payload))
+    (latest / ".metadata").write_bytes(pickle.dumps(metadata))
+    _forge_record(ckpt, latest.name)
+    with pytest.raises(sparkdl.RunFailedError, match=rf"not one sparkdl's save writes: entry '{key}' is a BytesStorageMetadata"):
+        sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, max_attempts=1, config=CFG,
+                    checkpoint_dir=str(ckpt))
+    assert not marker.exists(), "restoring ran code from the planted shard file"
+
+
+def test_a_commit_whose_shards_are_missing_or_torn_is_skipped_for_the_one_before(spark, dataset, reference, tmp_path, capfd, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    # One epoch saves after steps 4, 8 and 12 and at its end (15): checkpoints 2, 3 and 4 are kept.
+    opts = {"batch": 16, "epochs": 1, "save_every": 4}
+    ckpt = tmp_path / "ckpt"
+    sparkdl.run(train, dataset, opts, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
+    store = sparkdl.CheckpointStore(str(ckpt))
+    assert store.sequence_numbers() == [2, 3, 4]
+    dirs = sorted(p for p in ckpt.iterdir() if p.is_dir())
+    (dirs[-1] / "__1_0.distcp").unlink()  # a host lost rank 1's shards of checkpoint 4
+    os.truncate(dirs[-2] / "__0_0.distcp", 10)  # and tore rank 0's of checkpoint 3
+    capfd.readouterr()
+    out = sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
+    assert out["attempt"] == 0 and out["restored_from"] == 2
+    _assert_same(out["weights"], reference["weights"], "the uninterrupted run")
+    said = capfd.readouterr().err
+    assert f"skipped checkpoint 4 of file://{ckpt}: its shard file {dirs[-1].name}/__1_0.distcp is missing" in said
+    assert f"skipped checkpoint 3 of file://{ckpt}: its shard file {dirs[-2].name}/__0_0.distcp is 10 bytes" in said
 
 
 def _fed(log: Path) -> dict[int, dict[tuple[int, int], list[int]]]:

@@ -25,6 +25,24 @@ class Planted:
         return (os.makedirs, (self.marker, 0o777, True))
 
 
+def plant_checkpoint(directory: str | os.PathLike[str], seq: int, obj: Any, *, record: bool = True) -> None:
+    """What an attacker who knows the format plants: ``ckpt-<seq>.pt`` holding ``obj`` and, with
+    ``record``, a commit record that matches it (both written straight into place)."""
+    import io
+
+    import torch
+
+    from sparkdl._internal.train import records
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with open(os.path.join(directory, records.data_name(seq)), "wb") as f:
+        f.write(buf.getvalue())
+    if record:
+        with open(os.path.join(directory, records.record_name(seq)), "wb") as f:
+            f.write(records.build(seq, buf.getvalue(), "planted-0", None))
+
+
 def _plain_draws() -> tuple[float, float, float, list[float]]:
     import numpy as np
     import torch

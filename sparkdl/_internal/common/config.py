@@ -12,6 +12,7 @@ from sparkdl._internal.common.validate import int_at_least, is_number, positive_
 # Durations in seconds: each must be positive; timeout_s may also be None (no limit).
 _SECONDS = (
     "start_timeout_s",
+    "checkpoint_lease_s",
     "slot_wait_s",
     "collective_timeout_s",
     "connect_timeout_s",
@@ -68,6 +69,19 @@ class RunConfig:
             Lines it did not take in time are counted in a warning that names the run's log
             directory, which has every line.
         keep_checkpoints: complete checkpoints kept in the checkpoint directory.
+        checkpoint_sync: fsync every checkpoint file (and, on local and NFS paths, its directory
+            entry) before the checkpoint counts, for stores where a host's crash may lose what a
+            process wrote. Off by default: without it a checkpoint torn by a host's crash is
+            found by its commit record and skipped, and a restore falls back to the one before
+            (the cost: ``docs/benchmarks.md``, checkpoints).
+        checkpoint_finite_only: refuse to commit a checkpoint that holds a NaN or infinite value
+            (a diverged run), with :class:`~sparkdl.SparkDLError` naming where, so that a
+            diverged state never replaces the good checkpoints kept; the rank fails, and a rerun
+            resumes from the newest good one.
+        checkpoint_lease_s: the driver holds the checkpoint directory for its run, renewing a
+            lease file in it every third of this. A second run given the same directory while
+            the first runs is refused before it starts, naming both; a run whose driver died on
+            another host is taken over once its lease went this long without renewal.
         progress: show a live progress line on the driver (epoch, step, throughput, loss) from
             rank 0's metrics.
         progress_interval_s: least time between two progress lines.
@@ -142,6 +156,9 @@ class RunConfig:
     console: str = "auto"
     log_flush_timeout_s: float = 60.0
     keep_checkpoints: int = 3
+    checkpoint_sync: bool = False
+    checkpoint_finite_only: bool = False
+    checkpoint_lease_s: float = 30.0
     stop_on_repeated_error: bool = True
     progress: bool = True
     progress_interval_s: float = 5.0

@@ -25,9 +25,11 @@ from sparkdl._internal.driver.output import RankOutput, dedupes
 from sparkdl._internal.driver.progress import MetricsLog, Progress
 from sparkdl._internal.driver.result import RunResult, log_to_mlflow
 from sparkdl._internal.driver.spark import SparkLauncher
+from sparkdl._internal.fs.storage import redact
 from sparkdl._internal.spark import spark_api
 from sparkdl._internal.spark.reach import Marker
 from sparkdl._internal.spark.session import resolve_session
+from sparkdl._internal.train.fence import RunLease
 from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire.rankspec import RunSpec
 
@@ -191,6 +193,7 @@ def launch(
                    checkpoint_url=store.url, config=cfg)
     value: Any = None
     marker: Marker | None = None
+    lease: RunLease | None = None
     try:
         # Every task reads this back before its rank starts: a checkpoint directory that only the
         # driver's host has stops the run here, not after the checkpoints are lost (sparkdl._internal.spark.reach).
@@ -198,8 +201,17 @@ def launch(
         # directory stops its first save (a run that never saves needs no shared storage).
         explicit = checkpoint_dir is not None or bool(conf.get(cluster.RUN_DIR_CONF, None))
         marker = Marker.plant(store.url, strict=explicit)
+        # The directory is this run's until it ends: a second run given it is refused, naming both.
+        lease = RunLease(store.url, run_id, cfg.checkpoint_lease_s).acquire()
+        if lease.took_over:
+            gone = store.remove_leftovers_of(lease.took_over)
+            log.warning("sparkdl: run %s takes checkpoint directory %s over from run %s, whose driver "
+                        "is gone%s", run_id, redact(store.url), lease.took_over,
+                        f"; removed what it left half-written: {', '.join(gone)}" if gone else "")
         value = SparkLauncher(session, api, checkpoints=marker).run(Job(spec, fn_bytes, attempts_allowed), monitor)
     finally:
+        if lease is not None:
+            lease.release()
         if marker is not None:
             marker.remove()
         metrics.close()

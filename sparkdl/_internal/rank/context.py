@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError, NotInRunError
 from sparkdl._internal.train import sharded as sharded_ckpt
+from sparkdl._internal.train.fence import Writer
 from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire import rankspec
 from sparkdl._internal.wire.messages import PROGRESS_KEY
@@ -57,6 +58,8 @@ class RunContext:
     use_cuda: bool
     checkpoint_url: str | None = None
     keep_checkpoints: int = 3
+    checkpoint_sync: bool = False
+    checkpoint_finite_only: bool = False
     # Why the checkpoint directory must not be written (a host of the gang does not share it).
     checkpoints_refused: str | None = None
 
@@ -73,7 +76,9 @@ class RunContext:
         """The run's checkpoint store (``run(checkpoint_dir=...)``)."""
         if not self.checkpoint_url:
             raise NotInRunError("this run has no checkpoint directory")
-        return CheckpointStore(self.checkpoint_url, keep=self.keep_checkpoints, refused=self.checkpoints_refused)
+        return CheckpointStore(self.checkpoint_url, keep=self.keep_checkpoints, refused=self.checkpoints_refused,
+                               writer=Writer(self.run_id, self.attempt), sync=self.checkpoint_sync,
+                               finite_only=self.checkpoint_finite_only)
 
     def save_checkpoint(self, obj: Any, *, all_ranks: bool = False, sharded: bool = False) -> int | None:
         """Saves ``obj`` (state_dicts, tensors, numbers, strings and containers of them, or any
@@ -216,5 +221,7 @@ def context() -> RunContext:
         use_cuda=rankspec.read_use_cuda(),
         checkpoint_url=spec.checkpoint_url,
         keep_checkpoints=spec.keep_checkpoints,
+        checkpoint_sync=spec.checkpoint_sync,
+        checkpoint_finite_only=spec.checkpoint_finite_only,
         checkpoints_refused=gang.checkpoints_refused,
     )

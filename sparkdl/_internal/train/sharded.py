@@ -24,12 +24,18 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import secrets
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import SparkDLError
-from sparkdl._internal.train.store import SHARDED, CheckpointStore
+from sparkdl._internal.train.store import (
+    SHARDED,
+    CheckpointStore,
+    nonfinite_paths,
+    refuse_nonfinite,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -92,8 +98,10 @@ def broadcast_seq(seq: int | None) -> int | None:
 
 
 def latest(store: CheckpointStore) -> int | None:
-    """Rank 0's latest complete checkpoint of ``store``, on every rank: all load the same one."""
-    return broadcast_seq(store.latest() if _rank() == 0 else None)
+    """Rank 0's newest checkpoint of ``store`` that verifies, on every rank: all load the same one.
+    Newer ones that do not verify (torn, missing shards, no commit record) are skipped, and rank 0
+    says which and why (:meth:`CheckpointStore.newest_good`)."""
+    return broadcast_seq(store.newest_good()[0] if _rank() == 0 else None)
 
 
 def _rank() -> int:
@@ -203,8 +211,46 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
+def _unlike_sparkdls(metadata: Any, expected: frozenset[str]) -> str | None:
+    """What in DCP's ``metadata`` sparkdl's own sharded save could not have written; None when nothing.
+
+    sparkdl's save hands DCP ``DTensor`` s only, under the paths of the commit record's skeleton,
+    with one data file per rank: every entry is a tensor's, stored in a ``__<rank>_<n>.distcp``
+    file of the checkpoint's own directory. Byte entries above all are refused: DCP reads them
+    with ``torch.load(weights_only=False)``, which runs code from the shard file.
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+    if type(metadata) is not Metadata:
+        return f"it is a {type(metadata).__name__}, not DCP's Metadata"
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        return "its entries are not a dict"
+    for key, entry in entries.items():
+        if type(entry) is not TensorStorageMetadata:
+            return f"entry {key!r} is a {type(entry).__name__}; sparkdl writes tensors only"
+    if set(entries) != expected:
+        extra = sorted(set(entries) - expected)[:3]
+        lacking = sorted(expected - set(entries))[:3]
+        return f"its entries are not the commit record's sharded tensors (extra: {extra}, missing: {lacking})"
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        return "its storage map is not a dict"
+    for index, info in storage.items():
+        if type(index) is not MetadataIndex or index.fqn not in entries:
+            return f"its storage map names {index!r}, which is no entry of it"
+        if (type(info) is not _StorageInfo or not isinstance(info.relative_path, str)
+                or not re.match(r"^__\d+_\d+\.distcp$", info.relative_path)):
+            return f"entry {index.fqn!r} is stored at {getattr(info, 'relative_path', info)!r}, not in a shard file of its own directory"
+    return None
+
+
 class _SafeMetadata:
-    """Mixed into DCP's readers: their ``read_metadata`` with :class:`_MetadataUnpickler`."""
+    """Mixed into DCP's readers: their ``read_metadata`` with :class:`_MetadataUnpickler`, then
+    checked against what sparkdl's own save writes (:func:`_unlike_sparkdls`)."""
+
+    expected: frozenset[str] = frozenset()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -219,6 +265,13 @@ class _SafeMetadata:
                     f"({exc}); sparkdl did not load it, since that could run code from the file. Delete "
                     "the checkpoint, and keep checkpoint_dir where only you can write"
                 ) from None
+        odd = _unlike_sparkdls(metadata, self.expected)
+        if odd:
+            raise SparkDLError(
+                f"the sharded checkpoint's metadata {path} is not one sparkdl's save writes: {odd}. sparkdl did "
+                "not load it (a planted checkpoint could run code this way). Delete the checkpoint, and keep "
+                "checkpoint_dir where only you can write"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
@@ -229,20 +282,22 @@ def _local_path(url: str) -> str | None:
     return url[len("file://"):] if url.startswith("file://") else None
 
 
-def _writer(url: str) -> Any:
-    # Not fsynced, like every file of the store: what a process wrote survives its crash, and
-    # fsync per shard cost 4-6x the save's time here (benchmarks/bench_checkpoint.py).
+def _writer(url: str, sync: bool) -> Any:
+    # Not fsynced unless asked (RunConfig.checkpoint_sync), like every file of the store: what a
+    # process wrote survives its crash, and fsync per shard cost 4-6x the save's time here
+    # (benchmarks/bench_checkpoint.py). A host crash may then tear a shard: the commit record's
+    # sizes catch that, and a restore falls back.
     local = _local_path(url)
     if local is not None:
         from torch.distributed.checkpoint import FileSystemWriter
 
-        return FileSystemWriter(local, single_file_per_rank=True, sync_files=False)
+        return FileSystemWriter(local, single_file_per_rank=True, sync_files=sync)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    return FsspecWriter(url, single_file_per_rank=True, sync_files=False)
+    return FsspecWriter(url, single_file_per_rank=True, sync_files=sync)
 
 
-def _reader(url: str) -> Any:
+def _reader(url: str, expected: frozenset[str]) -> Any:
     local = _local_path(url)
     base: type
     if local is not None:
@@ -253,7 +308,7 @@ def _reader(url: str) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         base = FsspecReader
-    safe = type("SafeReader", (_SafeMetadata, base), {})
+    safe = type("SafeReader", (_SafeMetadata, base), {"expected": expected})
     return safe(local if local is not None else url)
 
 
@@ -271,21 +326,34 @@ def save(store: CheckpointStore, obj: Any, *, weights_only: bool = True) -> int:
 
     store.check_writable()  # on every rank, before any writes its shards
     skeleton, shards = split(obj)
-    seq: int | None = None
-    if _rank() == 0:
-        seq = (store.latest() or 0) + 1
-    seq = broadcast_seq(seq)
-    assert seq is not None
-    # Every rank must name the same directory; the token keeps a crashed attempt's shards apart.
+    if store.finite_only:
+        # Every rank looks at its own shards, and all refuse together: no rank is left waiting.
+        bad = [p for found in all_gather_json(nonfinite_paths(obj)) for p in found]
+        if bad:
+            refuse_nonfinite({p: float("nan") for p in bad}, f"the sharded checkpoint of {store.url}")
+    seq = broadcast_seq(store.next_seq() if _rank() == 0 else None)
+    if seq is None:
+        raise SparkDLError("rank 0 found no checkpoint number to write")
+    # Every rank must name the same directory; the writer and the token keep a crashed
+    # attempt's shards apart, and tell which the next commit may remove.
     token = all_gather_json(secrets.token_hex(4) if _rank() == 0 else "")[0]
-    name = f"shards-{seq:08d}-{token}"
-    dcp.save(shards, storage_writer=_writer(f"{store.url}/{name}"))
-    # dcp.save returns on every rank after the metadata is written; rank 0 commits.
+    writer = f"{store.writer.tag}-" if store.writer is not None else ""
+    name = f"shards-{seq:08d}-{writer}{token}"
+    dcp.save(shards, storage_writer=_writer(f"{store.url}/{name}", store.sync))
+    # dcp.save returns on every rank after the metadata is written; rank 0 commits, and tells
+    # the others whether it did, so that a refused commit fails every rank, none waits.
+    failure: BaseException | None = None
     if _rank() == 0:
-        record = {SHARDED: 1, "shards": name, "skeleton": skeleton}
-        store.commit(seq, record, weights_only=weights_only, shards=name)
-    committed = broadcast_seq(seq if _rank() == 0 else None)
-    assert committed == seq
+        try:
+            store.commit(seq, {SHARDED: 1, "shards": name, "skeleton": skeleton}, weights_only=weights_only,
+                         shards=name)
+        except BaseException as exc:
+            failure = exc
+    committed = broadcast_seq(seq if _rank() == 0 and failure is None else None)
+    if failure is not None:
+        raise failure
+    if committed != seq:
+        raise SparkDLError(f"rank 0 did not commit checkpoint {seq} of {store.url}; its error says why")
     return seq
 
 
@@ -313,5 +381,5 @@ def load(store: CheckpointStore, seq: int, into: Any, *, weights_only: bool = Tr
         )
     request = {p: targets[p] for p in wanted}
     if request:
-        dcp.load(request, storage_reader=_reader(f"{store.url}/{record['shards']}"))
+        dcp.load(request, storage_reader=_reader(f"{store.url}/{record['shards']}", frozenset(wanted)))
     return join(skeleton, request)

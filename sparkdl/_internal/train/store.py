@@ -1,11 +1,17 @@
-"""Checkpoints on shared storage: one atomic file per checkpoint, the last ``keep`` kept.
+"""Checkpoints on shared storage: each written atomically, committed by a record, verified before it is trusted.
 
-A checkpoint is one file, ``ckpt-<seq>.pt`` (``torch.save`` format), in the run's checkpoint
-directory, which may be a local or shared path or any URL pyarrow/fsspec reach. It is written to
-a temporary name and moved into place, so a crash in the middle of a write leaves the previous
-checkpoint the latest complete one. Only complete files count; the last ``keep`` are kept.
+A checkpoint is its data file ``ckpt-<seq>.pt`` (``torch.save`` format) and its commit record
+``ckpt-<seq>.json`` (:mod:`sparkdl._internal.train.records`), in the run's checkpoint directory,
+which may be a local or shared path or any URL pyarrow/fsspec reach. Both are written to a
+temporary name and moved into place, the record last: a crash at any step leaves the previous
+checkpoint the newest committed one. A restore trusts a checkpoint only once its data (and its
+shards) match what its record says, and falls back to the newest one that does, saying which it
+skipped and why; the last ``keep`` committed checkpoints are kept.
 A sharded checkpoint (:mod:`sparkdl._internal.train.sharded`) is such a file too, naming the directory
-``shards-<seq>-<token>`` that every rank wrote its shards into; it goes when its file goes.
+``shards-<seq>-<writer>-<token>`` that every rank wrote its shards into; it goes when its file goes.
+
+Inside a run, the store knows its writer (the run and attempt, :mod:`sparkdl._internal.train.fence`):
+a stale attempt's commit is refused, and a commit removes only what its own run left half-written.
 
 Checkpoints are read back with ``torch.load(weights_only=True)``: tensors, numbers, strings,
 ``None`` and lists, tuples, dicts and sets of them load; an object of any other class, whose
@@ -16,44 +22,61 @@ file and the refused names. Whoever wrote such a checkpoint themselves loads it 
 
 from __future__ import annotations
 
+import contextlib
 import io
+import math
 import os
 import pickle
 import posixpath
 import re
+import sys
 import uuid
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
 from sparkdl._internal.common.validate import int_at_least
-from sparkdl._internal.fs.storage import filesystem, make_dirs, normalize_url
+from sparkdl._internal.fs.storage import filesystem, make_dirs, normalize_url, redact
+from sparkdl._internal.train import fence, records
+from sparkdl._internal.train.fence import Writer
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
-_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
-_SHARDS = re.compile(r"^shards-(\d{8})-[0-9a-f]+$")
+_NAME = re.compile(r"^ckpt-(\d{8})\.(pt|json)$")
+# shards-<seq>-<token> (an earlier sparkdl, or a writer outside a run), or shards-<seq>-<run>-<attempt>-<token>.
+_SHARDS = re.compile(r"^shards-(\d{8})-(?:([0-9a-f]+-\d+)-)?[0-9a-f]+$")
+_TMP = re.compile(r"^\.tmp-ckpt-\d{8}-(?:([0-9a-f]+-\d+)-)?[0-9a-f]{32}$")
 SHARDED = "sparkdl_sharded"
 """The key that marks a sharded checkpoint's commit file (see :mod:`sparkdl._internal.train.sharded`)."""
 
 
 class CheckpointStore:
-    """The checkpoints of one run. Plain and picklable: the URL, ``keep`` and ``refused`` are all
-    it holds. ``refused``: why nothing may be written here (a directory some host of the gang does
-    not share, see :mod:`sparkdl._internal.spark.reach`); reads work, every write raises a ConfigError saying it."""
+    """The checkpoints of one run. Plain and picklable: the URL and settings are all it holds.
 
-    def __init__(self, url: str | os.PathLike[str], keep: int = 3, *, refused: str | None = None) -> None:
+    ``refused``: why nothing may be written here (a directory some host of the gang does not
+    share, see :mod:`sparkdl._internal.spark.reach`); reads work, every write raises a ConfigError
+    saying it. ``writer``: the run and attempt that write (inside a run), fenced against stale
+    attempts. ``sync``: fsync every file and directory entry of a commit before it counts
+    (``RunConfig.checkpoint_sync``). ``finite_only``: refuse to commit a checkpoint holding a NaN
+    or infinite number (``RunConfig.checkpoint_finite_only``)."""
+
+    def __init__(self, url: str | os.PathLike[str], keep: int = 3, *, refused: str | None = None,
+                 writer: Writer | None = None, sync: bool = False, finite_only: bool = False) -> None:
         int_at_least("keep_checkpoints", keep, 1)
         self.url = normalize_url(url)
         self.keep = keep
         self.refused = refused
+        self.writer = writer
+        self.sync = sync
+        self.finite_only = finite_only
 
     def __repr__(self) -> str:
-        return f"CheckpointStore({self.url!r}, keep={self.keep})"
+        return f"CheckpointStore({redact(self.url)!r}, keep={self.keep})"
 
     def child(self, name: str) -> CheckpointStore:
         """The store of a subdirectory (a rank's own checkpoints), under the same terms."""
-        return CheckpointStore(f"{self.url}/{name}", keep=self.keep, refused=self.refused)
+        return CheckpointStore(f"{self.url}/{name}", keep=self.keep, refused=self.refused, writer=self.writer,
+                               sync=self.sync, finite_only=self.finite_only)
 
     def check_writable(self) -> None:
         """Raises the ConfigError of a store that must not be written (``refused``)."""
@@ -63,22 +86,77 @@ class CheckpointStore:
     def _fs(self) -> tuple[pafs.FileSystem, str]:
         return filesystem(self.url)
 
-    def sequence_numbers(self) -> list[int]:
-        """Sequence numbers of the complete checkpoints, oldest first."""
+    def _entries(self) -> dict[str, Any]:
         import pyarrow.fs as pafs
 
         fs, root = self._fs()
-        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        return {posixpath.basename(i.path): i for i in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))}
+
+    def sequence_numbers(self) -> list[int]:
+        """Sequence numbers of the committed checkpoints (a record, and a data file of the size
+        it records), oldest first. :meth:`newest_good` also checks their contents."""
+        import pyarrow.fs as pafs
+
+        fs, root = self._fs()
+        entries = self._entries()
         found = []
-        for info in infos:
-            match = _NAME.match(posixpath.basename(info.path))
-            if match and info.type == pafs.FileType.File:
-                found.append(int(match.group(1)))
+        for name, info in entries.items():
+            match = _NAME.match(name)
+            if not (match and match.group(2) == "json" and info.type == pafs.FileType.File):
+                continue
+            seq = int(match.group(1))
+            data = entries.get(records.data_name(seq))
+            record = self._record(fs, root, seq)
+            if data is not None and isinstance(record, dict) and data.size == record["size"]:
+                found.append(seq)
         return sorted(found)
 
     def latest(self) -> int | None:
         seqs = self.sequence_numbers()
         return seqs[-1] if seqs else None
+
+    def _record(self, fs: Any, root: str, seq: int) -> dict[str, Any] | str:
+        try:
+            with fs.open_input_stream(posixpath.join(root, records.record_name(seq))) as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return "it has no commit record (its save stopped before it committed)"
+        return records.parse(raw, seq)
+
+    def verify(self, seq: int) -> str | None:
+        """Why checkpoint ``seq`` is not to be trusted (torn, missing shards, no commit record);
+        None when its data file and shards are as its record says."""
+        fs, root = self._fs()
+        record = self._record(fs, root, seq)
+        if isinstance(record, str):
+            return record
+        try:
+            with fs.open_input_file(posixpath.join(root, records.data_name(seq))) as f:
+                data = f.read()
+        except FileNotFoundError:
+            return "its data file is missing"
+        problem = records.data_problem(record, data)
+        if problem is None and record.get("shards") is not None:
+            problem = records.shards_problem(fs, root, record["shards"])
+        return problem
+
+    def newest_good(self) -> tuple[int | None, list[tuple[int, str]]]:
+        """The newest checkpoint that verifies (None when none does), and the newer ones skipped,
+        with why. Each skipped one is also said on stderr. A store with a writer first claims the
+        directory for its attempt (:func:`sparkdl._internal.train.fence.claim`)."""
+        if self.writer is not None and self.refused is None:
+            fence.claim(self.url, self.writer)
+        entries = self._entries()
+        seqs = sorted({int(m.group(1)) for name in entries if (m := _NAME.match(name))}, reverse=True)
+        skipped: list[tuple[int, str]] = []
+        for seq in seqs:
+            problem = self.verify(seq)
+            if problem is None:
+                return seq, skipped
+            skipped.append((seq, problem))
+            print(f"sparkdl: skipped checkpoint {seq} of {redact(self.url)}: {problem}; resuming from an "
+                  "older one", file=sys.stderr, flush=True)
+        return None, skipped
 
     def save(self, obj: Any, *, weights_only: bool = False) -> int:
         """Writes ``obj`` as the next checkpoint, atomically; returns its sequence number.
@@ -87,17 +165,23 @@ class CheckpointStore:
         (it holds objects of classes other than tensors, numbers, strings and containers) is
         refused now, with a :class:`SparkDLError` naming them, and nothing is written.
         """
-        return self.commit((self.latest() or 0) + 1, obj, weights_only=weights_only)
+        return self.commit(self.next_seq(), obj, weights_only=weights_only)
+
+    def next_seq(self) -> int:
+        """One past every checkpoint number in the directory, committed or not: a number is never reused."""
+        seqs = [int(m.group(1)) for name in self._entries() if (m := _NAME.match(name))]
+        return max(seqs, default=0) + 1
 
     def commit(self, seq: int, obj: Any, *, weights_only: bool = False, shards: str | None = None) -> int:
-        """Writes ``obj`` as checkpoint ``seq``, atomically, then lets go of what is no longer kept:
-        checkpoints beyond the last ``keep``, their shard directories, the shard directories of
-        saves that never committed (other than ``shards``, this checkpoint's own), and temporary
-        files of writers that crashed."""
+        """Writes ``obj`` as checkpoint ``seq``, atomically, then its commit record, then lets go
+        of what is no longer kept: committed checkpoints beyond the last ``keep`` and their shard
+        directories, and what this writer's run left half-written (temporary files, shard
+        directories of saves that never committed), never another writer's."""
         self.check_writable()
-        import pyarrow.fs as pafs
         import torch
 
+        if self.finite_only:
+            refuse_nonfinite(obj, f"checkpoint {seq} of {redact(self.url)}")
         buf = io.BytesIO()
         torch.save(obj, buf)
         if weights_only:
@@ -109,31 +193,86 @@ class CheckpointStore:
                     "(state_dicts are), or, to keep such objects, pass weights_only=False (to "
                     "TrainState(...), or to CheckpointStore.save and .load)"
                 )
+        if self.writer is not None:
+            fence.check(self.url, self.writer)
         fs, root = self._fs()
         make_dirs(fs, root)
-        final = posixpath.join(root, f"ckpt-{seq:08d}.pt")
-        tmp = posixpath.join(root, f".tmp-ckpt-{seq:08d}-{uuid.uuid4().hex}")
-        with fs.open_output_stream(tmp) as out:
-            out.write(buf.getbuffer())
-        fs.move(tmp, final)
-        kept = set(self.sequence_numbers()[-self.keep :])
-        for info in fs.get_file_info(pafs.FileSelector(root)):
-            name = posixpath.basename(info.path)
-            done, shard = _NAME.match(name), _SHARDS.match(name)
-            if done and int(done.group(1)) not in kept:
-                fs.delete_file(info.path)
-            elif shard and (int(shard.group(1)) not in kept or (int(shard.group(1)) == seq and name != shards)):
-                fs.delete_dir(info.path)
-            elif name.startswith(".tmp-ckpt-") and info.path != tmp:
-                # Temporary files of earlier writers that crashed mid-write are garbage now.
-                fs.delete_file(info.path)
+        shard_info = records.describe_shards(fs, root, shards) if shards is not None else None
+        data = buf.getbuffer()
+        self._put(fs, root, seq, records.data_name(seq), data)
+        if self.writer is not None:
+            fence.check(self.url, self.writer)  # again, right before the commit point
+        self._put(fs, root, seq, records.record_name(seq),
+                  records.build(seq, data, self.writer.tag if self.writer else None, shard_info))
+        self._let_go(fs, root, seq)
         return seq
 
+    def _put(self, fs: Any, root: str, seq: int, name: str, data: bytes | memoryview) -> None:
+        """``data`` as ``root/name``, atomically: written to this writer's temporary name, moved."""
+        tag = f"{self.writer.tag}-" if self.writer is not None else ""
+        tmp = posixpath.join(root, f".tmp-ckpt-{seq:08d}-{tag}{uuid.uuid4().hex}")
+        try:
+            with fs.open_output_stream(tmp) as out:
+                out.write(data)
+            if self.sync:
+                _fsync(fs, tmp)
+            fs.move(tmp, posixpath.join(root, name))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                fs.delete_file(tmp)
+            raise
+        if self.sync:
+            _fsync(fs, root)
+
+    def _let_go(self, fs: Any, root: str, seq: int) -> None:
+        kept = set(self.sequence_numbers()[-self.keep:])
+        kept_shards = set()
+        for n in kept:
+            record = self._record(fs, root, n)
+            if isinstance(record, dict) and record.get("shards"):
+                kept_shards.add(record["shards"]["dir"])
+        # Older than every kept checkpoint: pruned, committed or not (a torn one newer than that
+        # is skipped by restores until it falls behind too).
+        oldest = min(kept, default=seq)
+        for name, info in self._entries().items():
+            done, shard, tmp = _NAME.match(name), _SHARDS.match(name), _TMP.match(name)
+            if done and int(done.group(1)) < oldest:
+                fs.delete_file(info.path)
+            elif shard and name not in kept_shards and (int(shard.group(1)) < oldest or self._made(shard.group(2))):
+                fs.delete_dir(info.path)
+            elif tmp and self._made(tmp.group(1)):
+                # What this run's earlier attempts (or this one) left half-written is garbage now.
+                fs.delete_file(info.path)
+
+    def remove_leftovers_of(self, run: str) -> list[str]:
+        """Removes what run ``run`` left half-written here (temporary files, shard directories no
+        commit record names): the run whose lease this one took over, whose driver died. Returns
+        the names removed."""
+        fs, root = self._fs()
+        named = set()
+        for seq in self.sequence_numbers():
+            record = self._record(fs, root, seq)
+            if isinstance(record, dict) and record.get("shards"):
+                named.add(record["shards"]["dir"])
+        removed = []
+        for name, info in self._entries().items():
+            shard, tmp = _SHARDS.match(name), _TMP.match(name)
+            tag = (shard.group(2) if shard else tmp.group(1) if tmp else None) or ""
+            if tag.rpartition("-")[0] != run or name in named:
+                continue
+            (fs.delete_dir if shard else fs.delete_file)(info.path)
+            removed.append(name)
+        return sorted(removed)
+
+    def _made(self, tag: str | None) -> bool:
+        return self.writer is not None and self.writer.made(tag)
+
     def load(self, seq: int | None = None, *, weights_only: bool = True, sharded_ok: bool = False) -> Any:
-        """The checkpoint ``seq`` (default: the latest complete one), or None when there is none.
+        """The checkpoint ``seq`` (default: the newest that verifies), or None when there is none.
 
         Args:
-            seq: the sequence number of the checkpoint to read; None: the latest complete one.
+            seq: the sequence number of the checkpoint to read; None: the newest one whose data
+                matches its commit record (newer, torn ones are skipped, and said on stderr).
             weights_only: True (the default) loads tensors, numbers, strings and containers of
                 them only, and never runs code from the file: a checkpoint that holds anything
                 else raises :class:`SparkDLError` naming the file and what was refused. False
@@ -146,26 +285,83 @@ class CheckpointStore:
         import torch
 
         if seq is None:
-            seq = self.latest()
+            seq = self.newest_good()[0]
             if seq is None:
                 return None
         fs, root = self._fs()
-        name = f"ckpt-{seq:08d}.pt"
+        name = records.data_name(seq)
         with fs.open_input_file(posixpath.join(root, name)) as f:
             data = f.read()
+        record = self._record(fs, root, seq)
+        # A checkpoint named by its number loads without a record (one an earlier sparkdl wrote),
+        # never with a record it does not match.
+        problem = record if isinstance(record, str) and "no commit record" not in record else (
+            records.data_problem(record, data) if isinstance(record, dict) else None)
+        if problem:
+            raise SparkDLError(f"checkpoint {redact(self.url)}/{name} cannot be trusted: {problem}. "
+                               "Load an older one (CheckpointStore.newest_good() finds the newest good one)")
         try:
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
         except pickle.UnpicklingError as exc:
             if not weights_only:
                 raise
-            raise _refused(f"{self.url}/{name}", data, exc) from None
+            raise _refused(f"{redact(self.url)}/{name}", data, exc) from None
         if not sharded_ok and isinstance(obj, dict) and obj.get(SHARDED):
             raise SparkDLError(
-                f"checkpoint {self.url}/{name} is sharded: every rank wrote its part of the model with "
+                f"checkpoint {redact(self.url)}/{name} is sharded: every rank wrote its part of the model with "
                 "torch.distributed.checkpoint. Load it inside the run, on every rank, into the sharded "
                 "model: with sparkdl.TrainState, or sparkdl.context().load_checkpoint(into=...)"
             )
         return obj
+
+
+def _fsync(fs: Any, path: str) -> None:
+    """fsync of a local file or directory; other stores make a closed file durable themselves."""
+    import pyarrow.fs as pafs
+
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def nonfinite_paths(obj: Any, at: str = "") -> list[str]:
+    """Where ``obj`` holds a NaN or an infinity (floating tensors and Python floats), by path."""
+    import torch
+
+    found: list[str] = []
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        if (local.is_floating_point() or local.is_complex()) and not bool(torch.isfinite(local).all()):
+            found.append(at or "(the object)")
+    elif isinstance(obj, float):
+        if not math.isfinite(obj):
+            found.append(at or "(the object)")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            found += nonfinite_paths(v, f"{at}/{k}" if at else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            found += nonfinite_paths(v, f"{at}[{i}]")
+    return found
+
+
+def refuse_nonfinite(obj: Any, what: str) -> None:
+    bad = nonfinite_paths(obj)
+    if bad:
+        raise NonFiniteCheckpointError(
+            f"{what} was not committed: it holds NaN or infinite values at {', '.join(bad[:5])}"
+            f"{' ...' if len(bad) > 5 else ''} (the run diverged), and RunConfig.checkpoint_finite_only=True "
+            "keeps such a state from replacing the good checkpoints kept; the rerun resumes from the newest "
+            "of those. Lower the learning rate, or clip gradients"
+        )
+
+
+class NonFiniteCheckpointError(SparkDLError):
+    """A checkpoint holding NaN or infinite values, refused under ``RunConfig.checkpoint_finite_only``."""
 
 
 def _refused_names(data: bytes) -> list[str]:

@@ -58,6 +58,8 @@ class RankSpec:
     init_process_group: bool = True
     checkpoint_url: str | None = None
     keep_checkpoints: int = RunConfig.keep_checkpoints
+    checkpoint_sync: bool = RunConfig.checkpoint_sync
+    checkpoint_finite_only: bool = RunConfig.checkpoint_finite_only
     horovod_controller: str = RunConfig.horovod_controller
     # The ranks of this rank's Spark task (RunConfig.processes_per_task); this one is rank % it.
     processes_per_task: int = 1
@@ -76,6 +78,8 @@ class RankSpec:
             init_process_group=run.config.init_process_group,
             checkpoint_url=run.checkpoint_url,
             keep_checkpoints=run.config.keep_checkpoints,
+            checkpoint_sync=run.config.checkpoint_sync,
+            checkpoint_finite_only=run.config.checkpoint_finite_only,
             horovod_controller=run.config.horovod_controller,
             processes_per_task=run.config.processes_per_task,
         )
@@ -128,6 +132,8 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
         PREFIX + "COLLECTIVE_TIMEOUT_S": str(spec.collective_timeout_s),
         PREFIX + "INIT_PROCESS_GROUP": "1" if spec.init_process_group else "0",
         PREFIX + "KEEP_CHECKPOINTS": str(spec.keep_checkpoints),
+        PREFIX + "CHECKPOINT_SYNC": "1" if spec.checkpoint_sync else "0",
+        PREFIX + "CHECKPOINT_FINITE_ONLY": "1" if spec.checkpoint_finite_only else "0",
         PREFIX + "HOROVOD_CONTROLLER": spec.horovod_controller,
         PREFIX + "PROCESSES_PER_TASK": str(spec.processes_per_task),
     }
@@ -197,6 +203,8 @@ def read_rank(env: Mapping[str, str] | None = None) -> RankSpec:
         init_process_group=env.get(PREFIX + "INIT_PROCESS_GROUP", "1") == "1",
         checkpoint_url=env.get(PREFIX + "CHECKPOINT_DIR") or None,
         keep_checkpoints=int(env.get(PREFIX + "KEEP_CHECKPOINTS", RunConfig.keep_checkpoints)),
+        checkpoint_sync=env.get(PREFIX + "CHECKPOINT_SYNC") == "1",
+        checkpoint_finite_only=env.get(PREFIX + "CHECKPOINT_FINITE_ONLY") == "1",
         horovod_controller=env.get(PREFIX + "HOROVOD_CONTROLLER", RunConfig.horovod_controller),
         processes_per_task=int(env.get(PREFIX + "PROCESSES_PER_TASK", "1")),
     )

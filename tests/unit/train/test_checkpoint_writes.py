@@ -1,6 +1,7 @@
 """A checkpoint write killed midway: ``CheckpointStore.save`` writes to a temporary file and
 commits by rename, so a process killed with SIGKILL while its bytes are going out leaves the
-previous checkpoint the latest, and the next save commits after it and removes the partial file.
+previous checkpoint the latest; the next save commits after it, and the partial file is removed
+by the next attempt of the same run only, never by another writer (it may be one still writing).
 A real writer process, no Spark; the runs that crash mid-save and resume are in
 tests/integration/test_faults.py.
 """
@@ -15,14 +16,16 @@ import time
 import pytest
 
 import sparkdl
+from sparkdl._internal.train.fence import Writer
 
 pytestmark = pytest.mark.fault
 
 
 _WRITER = """
 import sys, torch
+from sparkdl._internal.train.fence import Writer
 from sparkdl._internal.train.store import CheckpointStore
-store = CheckpointStore(sys.argv[1])
+store = CheckpointStore(sys.argv[1], writer=Writer("a1b2c3", 0))
 store.save({"global_step": 1, "w": torch.zeros(10)})
 print("first", flush=True)
 store.save({"global_step": 2, "w": torch.randn(int(sys.argv[2]))})
@@ -54,7 +57,11 @@ def test_sigkill_while_the_file_is_being_written_leaves_the_previous_checkpoint(
             assert store.load()["global_step"] == 1
             assert list(ckpt.glob(".tmp-ckpt-*")), "expected the partial file of the killed write"
             store.save({"global_step": 2})
-            assert store.sequence_numbers() == [1, 2] and not list(ckpt.glob(".tmp-ckpt-*"))
+            assert store.sequence_numbers() == [1, 2]
+            assert list(ckpt.glob(".tmp-ckpt-*")), "a writer outside the run removed the run's file"
+            rerun = sparkdl.CheckpointStore(str(ckpt), writer=Writer("a1b2c3", 1))
+            rerun.save({"global_step": 3})
+            assert rerun.sequence_numbers() == [1, 2, 3] and not list(ckpt.glob(".tmp-ckpt-*"))
             return
         for path in ckpt.iterdir():
             path.unlink()

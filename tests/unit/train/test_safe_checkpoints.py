@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from resources.safe_loading import Planted, _plain_draws
+from resources.safe_loading import Planted, _plain_draws, plant_checkpoint
 
 import sparkdl
 
@@ -27,7 +27,12 @@ def test_a_planted_checkpoint_is_refused_unrun_and_loads_only_with_the_opt_in(tm
     store = sparkdl.CheckpointStore(tmp_path / "ckpt")
     store.save({"global_step": 1, "w": torch.ones(3)})
     marker = tmp_path / "marker"
-    torch.save({"global_step": 2, "x": Planted(str(marker))}, tmp_path / "ckpt" / "ckpt-00000002.pt")
+    # Without a commit record it is no checkpoint: skipped, unread.
+    plant_checkpoint(tmp_path / "ckpt", 2, {"global_step": 2, "x": Planted(str(marker))}, record=False)
+    assert store.newest_good() == (1, [(2, "it has no commit record (its save stopped before it committed)")])
+    assert store.load()["global_step"] == 1 and not marker.exists()
+    # With a record that matches it (an attacker can write one too), it is refused by name, unrun.
+    plant_checkpoint(tmp_path / "ckpt", 2, {"global_step": 2, "x": Planted(str(marker))})
 
     with pytest.raises(sparkdl.SparkDLError) as info:
         store.load()
