@@ -154,7 +154,7 @@ def test_sigkill_of_a_rank_resumes_the_sharded_model_bitwise_equal(spark, datase
     shard_dirs = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
     assert [int(name.split("-")[1]) for name in shard_dirs] == seqs
     for name in shard_dirs:
-        assert {p.name for p in (ckpt / name).iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+        assert {p.name for p in (ckpt / name).iterdir()} == {"__0.metadata", "__0_0.distcp", "__1.metadata", "__1_0.distcp"}
     with pytest.raises(SparkDLError, match=r"is sharded.*load_checkpoint\(into="):
         store.load()
 
@@ -184,7 +184,7 @@ def test_planted_metadata_is_refused_without_running_it(spark, dataset, referenc
         def __reduce__(self) -> tuple[Any, ...]:
             return (os.system, (f"touch {marker}",))
 
-    (latest / ".metadata").write_bytes(pickle.dumps(Payload()))
+    (latest / "__1.metadata").write_bytes(pickle.dumps(Payload()))
     _forge_record(ckpt, latest.name)  # the planter rewrites the commit record to match
     with pytest.raises(sparkdl.RunFailedError, match=r"metadata.*holds what no checkpoint metadata holds"):
         sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, max_attempts=1, config=CFG,
@@ -194,13 +194,14 @@ def test_planted_metadata_is_refused_without_running_it(spark, dataset, referenc
 
 def _forge_record(ckpt: Path, shard_dir: str) -> None:
     """What a planter who knows the format does: the commit record made to match planted shards."""
-    import pyarrow.fs as pafs
-
-    from sparkdl._internal.train import records
+    import hashlib
 
     path = next(p for p in ckpt.glob("ckpt-*.json") if json.loads(p.read_text())["shards"]["dir"] == shard_dir)
     record = json.loads(path.read_text())
-    record["shards"] = records.describe_shards(pafs.LocalFileSystem(), str(ckpt), shard_dir)
+    files = sorted((ckpt / shard_dir).iterdir())
+    record["shards"]["files"] = {p.name: p.stat().st_size for p in files}
+    record["shards"]["metadata_sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                           for p in files if p.name.endswith(".metadata")}
     path.write_text(json.dumps(record))
 
 
@@ -220,14 +221,14 @@ def test_planted_byte_entries_in_real_metadata_are_refused_without_running_them(
         def __reduce__(self) -> tuple[Any, ...]:
             return (os.system, (f"touch {marker}",))
 
-    metadata = pickle.loads((latest / ".metadata").read_bytes())  # sparkdl's own, read by the test
+    metadata = pickle.loads((latest / "__0.metadata").read_bytes())  # sparkdl's own, read by the test
     key = sorted(metadata.state_dict_metadata)[0]  # e.g. "model/0.weight": a key every restore requests
     payload = pickle.dumps(Payload())
-    (latest / "__9_0.distcp").write_bytes(payload)
+    (latest / "__0_9.distcp").write_bytes(payload)
     metadata.state_dict_metadata[key] = BytesStorageMetadata()
     metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn != key}
-    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(payload))
-    (latest / ".metadata").write_bytes(pickle.dumps(metadata))
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__0_9.distcp", 0, len(payload))
+    (latest / "__0.metadata").write_bytes(pickle.dumps(metadata))
     _forge_record(ckpt, latest.name)
     with pytest.raises(sparkdl.RunFailedError, match=rf"not one sparkdl's save writes: entry '{key}' is a BytesStorageMetadata"):
         sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, max_attempts=1, config=CFG,

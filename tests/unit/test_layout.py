@@ -18,7 +18,7 @@ MAX_LINES = 400
 # sparkdl.data, .ml, .compat) sit on top of the internals, and the command line on top of them.
 LAYERS: list[set[str]] = [
     {"common", "spark", "fs", "wire", "sparkdl._version"},
-    {"train.store", "train.sharded", "train.records", "train.fence", "backends.torchdist", "backends.tfdist", "horovod"},
+    {"train.store", "train.sharded", "train.records", "train.fence", "train.dcp_files", "train.finite", "backends.torchdist", "backends.tfdist", "horovod"},
     # "backends": the registry that picks a backend by name.
     {"backends"},
     {"rank.context"},

@@ -3,8 +3,8 @@
 Checkpoint ``N`` is its data file ``ckpt-N.pt`` and its record ``ckpt-N.json``. The data file is
 written under a temporary name and moved into place; then the record is, the same way, and only
 the record makes the checkpoint count. It is plain JSON: the writer (run and attempt), the data
-file's size and SHA-256, and for a sharded checkpoint its shard directory with every file's size
-and the SHA-256 of DCP's metadata file.
+file's size and SHA-256, and for a sharded checkpoint its shard directory with every rank's
+files, their sizes and the SHA-256 of each rank's DCP metadata.
 
 Writes are not fsynced by default (``RunConfig.checkpoint_sync``), so a host that crashes may
 leave a record whose data file is empty or short; a writer killed between the two leaves a data
@@ -21,10 +21,9 @@ import re
 from typing import Any
 
 FORMAT = 1
-_METADATA = ".metadata"
-# Only the files DCP's writer makes, with one file per rank: a record naming anything else
-# (a path with a slash, "..") was not made by sparkdl.
-SHARD_FILE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
+# Only the files each rank's DCP writer makes (sparkdl._internal.train.dcp_files): a record naming
+# anything else (a path with a slash, "..") was not made by sparkdl.
+SHARD_FILE = re.compile(r"^__\d+(_\d+\.distcp|\.metadata)$")
 
 
 def record_name(seq: int) -> str:
@@ -60,11 +59,12 @@ def parse(raw: bytes, seq: int) -> dict[str, Any] | str:
         return "its commit record lacks the data file's size and checksum"
     shards = record.get("shards")
     if shards is not None:
-        files = shards.get("files") if isinstance(shards, dict) else None
-        name = shards.get("dir") if isinstance(shards, dict) else None
+        shards = shards if isinstance(shards, dict) else {}
+        files, name, sums = shards.get("files"), shards.get("dir"), shards.get("metadata_sha256")
         if (not isinstance(name, str) or "/" in name or name.startswith(".") or not isinstance(files, dict)
                 or not all(isinstance(k, str) and SHARD_FILE.match(k) and isinstance(v, int) for k, v in files.items())
-                or _METADATA not in files):
+                or not isinstance(sums, dict) or not sums
+                or not all(k in files and k.endswith(".metadata") and isinstance(v, str) for k, v in sums.items())):
             return "its commit record names shard files that sparkdl's sharded save does not write"
     return record
 
@@ -79,18 +79,6 @@ def data_problem(record: dict[str, Any], data: bytes | memoryview) -> str | None
     return None
 
 
-def describe_shards(fs: Any, root: str, name: str) -> dict[str, Any]:
-    """What a sharded checkpoint's record says of its shard directory ``name``, as written now."""
-    import pyarrow.fs as pafs
-
-    base = posixpath.join(root, name)
-    files = {posixpath.basename(i.path): i.size for i in fs.get_file_info(pafs.FileSelector(base))
-             if i.type == pafs.FileType.File}
-    with fs.open_input_stream(posixpath.join(base, _METADATA)) as f:
-        metadata_sha = digest(f.read())
-    return {"dir": name, "files": files, "metadata_sha256": metadata_sha}
-
-
 def shards_problem(fs: Any, root: str, shards: dict[str, Any]) -> str | None:
     """Why the shard directory ``shards`` describes is not as committed; None when it is."""
     import pyarrow.fs as pafs
@@ -103,7 +91,8 @@ def shards_problem(fs: Any, root: str, shards: dict[str, Any]) -> str | None:
             return f"its shard file {shards['dir']}/{name} is missing"
         if info.size != size:
             return f"its shard file {shards['dir']}/{name} is {info.size} bytes, its commit record says {size} (torn)"
-    with fs.open_input_stream(posixpath.join(base, _METADATA)) as f:
-        if digest(f.read()) != shards.get("metadata_sha256"):
-            return f"its shard metadata {shards['dir']}/{_METADATA} differs from the one committed"
+    for name, sha in sorted(shards["metadata_sha256"].items()):
+        with fs.open_input_stream(posixpath.join(base, name)) as f:
+            if digest(f.read()) != sha:
+                return f"its shard metadata {shards['dir']}/{name} differs from the one committed"
     return None

@@ -3,17 +3,20 @@
 A model sharded with FSDP (``torch.distributed.fsdp.fully_shard``) or tensor parallelism holds
 its parameters and optimizer state as ``DTensor`` shards, one part on each rank; no rank has the
 whole. A sharded checkpoint is written by every rank at once with ``torch.distributed.checkpoint``
-(DCP) into a directory of its own, ``shards-<seq>-<token>``, and committed by rank 0 writing the
-checkpoint's file ``ckpt-<seq>.pt`` (atomically, like every checkpoint of the store) once every
-rank's shards and DCP's metadata are written. Only that file makes the checkpoint count, so a
-crash of any rank during the save leaves the previous checkpoint the latest: a checkpoint with a
-missing shard is never loaded.
+(DCP), each rank alone (:mod:`sparkdl._internal.train.dcp_files`), into a directory of its own,
+``shards-<seq>-<writer>-<token>``, and committed by rank 0 writing the checkpoint's file
+``ckpt-<seq>.pt`` and its commit record (atomically, like every checkpoint of the store) once
+every rank said, as JSON, which files it wrote. Only the record makes the checkpoint count, and it
+lists every shard file with its size: a crash of any rank during the save leaves the previous
+checkpoint the latest, and a shard lost or torn later makes a restore fall back to the one before.
 
 What goes where: ``DTensor`` leaves go to DCP; everything else (plain tensors, numbers, the
 loader's position, RNG states) stays in rank 0's commit file, which loads with
-``weights_only=True`` as every checkpoint does. DCP's own metadata file is a pickle; it is read
-with an unpickler that builds DCP's metadata classes and torch's sizes and dtypes only, so a
-planted checkpoint cannot run code here either.
+``weights_only=True`` as every checkpoint does. DCP's metadata files are pickles; they are read
+with an unpickler that builds DCP's metadata classes and torch's sizes and dtypes only, and must
+then be what sparkdl's save writes, so a planted checkpoint cannot run code here either. Nothing
+of a save or a load travels between ranks as a pickle: sparkdl's own collectives carry JSON and
+integers as tensors, and DCP runs without its own.
 
 Loading needs the ``DTensor`` s to load into (the model and optimizer as they are sharded now,
 e.g. from ``get_state_dict``): DCP reads each rank's part of them from whatever shards were
@@ -23,19 +26,14 @@ written, so a checkpoint written by 4 ranks loads on 2 (or 8), resharded.
 from __future__ import annotations
 
 import json
-import pickle
-import re
 import secrets
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import SparkDLError
-from sparkdl._internal.train.store import (
-    SHARDED,
-    CheckpointStore,
-    nonfinite_paths,
-    refuse_nonfinite,
-)
+from sparkdl._internal.train import dcp_files
+from sparkdl._internal.train.finite import nonfinite_paths, refuse_nonfinite
+from sparkdl._internal.train.store import SHARDED, CheckpointStore
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +79,17 @@ def all_gather_json(obj: Any) -> list[Any]:
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     out = [torch.empty_like(mine) for _ in sizes]
     dist.all_gather(out, mine)
-    return [json.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+    values = []
+    for rank, (t, n) in enumerate(zip(out, sizes, strict=True)):
+        try:
+            values.append(json.loads(t[:n].cpu().numpy().tobytes()))
+        except ValueError:
+            raise SparkDLError(
+                f"rank {rank} sent what is not JSON where sparkdl's exchange between ranks expects JSON; "
+                "it was refused, never unpickled. Something other than sparkdl joined the run's process "
+                "group: keep executors on a network only your cluster reaches"
+            ) from None
+    return values
 
 
 def broadcast_seq(seq: int | None) -> int | None:
@@ -176,142 +184,6 @@ def join(skeleton: Any, tensors: dict[str, Any]) -> Any:
     return skeleton
 
 
-# -- DCP's storage, with its metadata read safely -------------------------------------------------
-
-
-_METADATA_GLOBALS = frozenset({
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-})
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata (its dataclasses, torch sizes, dtypes and layouts) and nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        found = super().find_class(module, name) if (module, name) in _METADATA_GLOBALS else None
-        if module == "torch.distributed.checkpoint.metadata":
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and obj.__module__ == module:
-                found = obj
-        elif module == "torch" and found is None:
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                found = obj
-        if found is None:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
-        return found
-
-
-def _unlike_sparkdls(metadata: Any, expected: frozenset[str]) -> str | None:
-    """What in DCP's ``metadata`` sparkdl's own sharded save could not have written; None when nothing.
-
-    sparkdl's save hands DCP ``DTensor`` s only, under the paths of the commit record's skeleton,
-    with one data file per rank: every entry is a tensor's, stored in a ``__<rank>_<n>.distcp``
-    file of the checkpoint's own directory. Byte entries above all are refused: DCP reads them
-    with ``torch.load(weights_only=False)``, which runs code from the shard file.
-    """
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-
-    if type(metadata) is not Metadata:
-        return f"it is a {type(metadata).__name__}, not DCP's Metadata"
-    entries = metadata.state_dict_metadata
-    if not isinstance(entries, dict):
-        return "its entries are not a dict"
-    for key, entry in entries.items():
-        if type(entry) is not TensorStorageMetadata:
-            return f"entry {key!r} is a {type(entry).__name__}; sparkdl writes tensors only"
-    if set(entries) != expected:
-        extra = sorted(set(entries) - expected)[:3]
-        lacking = sorted(expected - set(entries))[:3]
-        return f"its entries are not the commit record's sharded tensors (extra: {extra}, missing: {lacking})"
-    storage = metadata.storage_data
-    if not isinstance(storage, dict):
-        return "its storage map is not a dict"
-    for index, info in storage.items():
-        if type(index) is not MetadataIndex or index.fqn not in entries:
-            return f"its storage map names {index!r}, which is no entry of it"
-        if (type(info) is not _StorageInfo or not isinstance(info.relative_path, str)
-                or not re.match(r"^__\d+_\d+\.distcp$", info.relative_path)):
-            return f"entry {index.fqn!r} is stored at {getattr(info, 'relative_path', info)!r}, not in a shard file of its own directory"
-    return None
-
-
-class _SafeMetadata:
-    """Mixed into DCP's readers: their ``read_metadata`` with :class:`_MetadataUnpickler`, then
-    checked against what sparkdl's own save writes (:func:`_unlike_sparkdls`)."""
-
-    expected: frozenset[str] = frozenset()
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
-        with self.fs.create_stream(path, "rb") as f:  # type: ignore[attr-defined]
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except pickle.UnpicklingError as exc:
-                raise SparkDLError(
-                    f"the sharded checkpoint's metadata {path} holds what no checkpoint metadata holds "
-                    f"({exc}); sparkdl did not load it, since that could run code from the file. Delete "
-                    "the checkpoint, and keep checkpoint_dir where only you can write"
-                ) from None
-        odd = _unlike_sparkdls(metadata, self.expected)
-        if odd:
-            raise SparkDLError(
-                f"the sharded checkpoint's metadata {path} is not one sparkdl's save writes: {odd}. sparkdl did "
-                "not load it (a planted checkpoint could run code this way). Delete the checkpoint, and keep "
-                "checkpoint_dir where only you can write"
-            )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
-        return metadata
-
-
-def _local_path(url: str) -> str | None:
-    return url[len("file://"):] if url.startswith("file://") else None
-
-
-def _writer(url: str, sync: bool) -> Any:
-    # Not fsynced unless asked (RunConfig.checkpoint_sync), like every file of the store: what a
-    # process wrote survives its crash, and fsync per shard cost 4-6x the save's time here
-    # (benchmarks/bench_checkpoint.py). A host crash may then tear a shard: the commit record's
-    # sizes catch that, and a restore falls back.
-    local = _local_path(url)
-    if local is not None:
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        return FileSystemWriter(local, single_file_per_rank=True, sync_files=sync)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(url, single_file_per_rank=True, sync_files=sync)
-
-
-def _reader(url: str, expected: frozenset[str]) -> Any:
-    local = _local_path(url)
-    base: type
-    if local is not None:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        base = FileSystemReader
-    else:  # fsspec's, which needs fsspec
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        base = FsspecReader
-    safe = type("SafeReader", (_SafeMetadata, base), {"expected": expected})
-    return safe(local if local is not None else url)
-
-
 # -- save and load --------------------------------------------------------------------------------
 
 
@@ -328,9 +200,8 @@ def save(store: CheckpointStore, obj: Any, *, weights_only: bool = True) -> int:
     skeleton, shards = split(obj)
     if store.finite_only:
         # Every rank looks at its own shards, and all refuse together: no rank is left waiting.
-        bad = [p for found in all_gather_json(nonfinite_paths(obj)) for p in found]
-        if bad:
-            refuse_nonfinite({p: float("nan") for p in bad}, f"the sharded checkpoint of {store.url}")
+        bad = sorted({p for found in all_gather_json(nonfinite_paths(obj)) for p in found})
+        refuse_nonfinite(bad, f"the sharded checkpoint of {store.url}")
     seq = broadcast_seq(store.next_seq() if _rank() == 0 else None)
     if seq is None:
         raise SparkDLError("rank 0 found no checkpoint number to write")
@@ -339,14 +210,33 @@ def save(store: CheckpointStore, obj: Any, *, weights_only: bool = True) -> int:
     token = all_gather_json(secrets.token_hex(4) if _rank() == 0 else "")[0]
     writer = f"{store.writer.tag}-" if store.writer is not None else ""
     name = f"shards-{seq:08d}-{writer}{token}"
-    dcp.save(shards, storage_writer=_writer(f"{store.url}/{name}", store.sync))
-    # dcp.save returns on every rank after the metadata is written; rank 0 commits, and tells
-    # the others whether it did, so that a refused commit fails every rank, none waits.
+    url = f"{store.url}/{name}"
+    # Each rank alone: no plan of DCP's travels between ranks (as a pickle). What each wrote
+    # reaches rank 0 as JSON, once all are done (a rank that failed says so instead).
+    try:
+        dcp.save(shards, storage_writer=dcp_files.writer(url, store.sync, _rank()), no_dist=True,
+                 use_collectives=False)
+        wrote: dict[str, Any] = dcp_files.describe_rank(url, _rank())
+    except Exception as exc:
+        wrote = {"error": f"{type(exc).__name__}: {exc}"}
+    reports = all_gather_json(wrote)
+    failed = [f"rank {r}: {w['error']}" for r, w in enumerate(reports) if "error" in w]
+    if failed:
+        raise SparkDLError(f"the sharded save of checkpoint {seq} of {store.url} failed, so it was not "
+                           f"committed: {'; '.join(failed)}")
+    # Rank 0 commits, and tells the others whether it did, so that a refused commit fails
+    # every rank and none waits.
     failure: BaseException | None = None
     if _rank() == 0:
+        files: dict[str, int] = {}
+        sums: dict[str, str] = {}
+        for w in reports:
+            files.update(w["files"])
+            sums.update(w["metadata_sha256"])
+        described = {"dir": name, "files": files, "metadata_sha256": sums}
         try:
-            store.commit(seq, {SHARDED: 1, "shards": name, "skeleton": skeleton}, weights_only=weights_only,
-                         shards=name)
+            store.commit(seq, {SHARDED: 1, "shards": name, "skeleton": skeleton, "ranks": len(reports)},
+                         weights_only=weights_only, shards=described)
         except BaseException as exc:
             failure = exc
     committed = broadcast_seq(seq if _rank() == 0 and failure is None else None)
@@ -381,5 +271,20 @@ def load(store: CheckpointStore, seq: int, into: Any, *, weights_only: bool = Tr
         )
     request = {p: targets[p] for p in wanted}
     if request:
-        dcp.load(request, storage_reader=_reader(f"{store.url}/{record['shards']}", frozenset(wanted)))
+        url = f"{store.url}/{record['shards']}"
+        expected = frozenset(wanted)
+        parts = [dcp_files.read_rank_metadata(url, r, expected) for r in range(_saved_ranks(record, url))]
+        merged = dcp_files.merge(parts, expected, url)
+        dcp.load(request, storage_reader=dcp_files.reader(url, merged), no_dist=True)
     return join(skeleton, request)
+
+
+def _saved_ranks(record: dict[str, Any], url: str) -> int:
+    ranks = record.get("ranks")
+    if isinstance(ranks, int) and ranks > 0:
+        return ranks
+    raise SparkDLError(
+        f"the sharded checkpoint {url} was written by an earlier sparkdl, whose ranks exchanged DCP's "
+        "plans as pickles; this version reads only checkpoints it wrote. Load it with that version, or "
+        "start the run over"
+    )

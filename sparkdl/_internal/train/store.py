@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import pickle
 import posixpath
@@ -38,6 +37,7 @@ from sparkdl._internal.common.validate import int_at_least
 from sparkdl._internal.fs.storage import filesystem, make_dirs, normalize_url, redact
 from sparkdl._internal.train import fence, records
 from sparkdl._internal.train.fence import Writer
+from sparkdl._internal.train.finite import nonfinite_paths, refuse_nonfinite
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -115,6 +115,11 @@ class CheckpointStore:
         seqs = self.sequence_numbers()
         return seqs[-1] if seqs else None
 
+    def record(self, seq: int) -> dict[str, Any] | str:
+        """Checkpoint ``seq``'s commit record, or why there is none to trust."""
+        fs, root = self._fs()
+        return self._record(fs, root, seq)
+
     def _record(self, fs: Any, root: str, seq: int) -> dict[str, Any] | str:
         try:
             with fs.open_input_stream(posixpath.join(root, records.record_name(seq))) as f:
@@ -172,16 +177,18 @@ class CheckpointStore:
         seqs = [int(m.group(1)) for name in self._entries() if (m := _NAME.match(name))]
         return max(seqs, default=0) + 1
 
-    def commit(self, seq: int, obj: Any, *, weights_only: bool = False, shards: str | None = None) -> int:
+    def commit(self, seq: int, obj: Any, *, weights_only: bool = False, shards: dict[str, Any] | None = None) -> int:
         """Writes ``obj`` as checkpoint ``seq``, atomically, then its commit record, then lets go
         of what is no longer kept: committed checkpoints beyond the last ``keep`` and their shard
         directories, and what this writer's run left half-written (temporary files, shard
-        directories of saves that never committed), never another writer's."""
+        directories of saves that never committed), never another writer's. ``shards``: a
+        sharded checkpoint's shard directory as its record describes it (``dir``, ``files``,
+        ``metadata_sha256``)."""
         self.check_writable()
         import torch
 
         if self.finite_only:
-            refuse_nonfinite(obj, f"checkpoint {seq} of {redact(self.url)}")
+            refuse_nonfinite(nonfinite_paths(obj), f"checkpoint {seq} of {redact(self.url)}")
         buf = io.BytesIO()
         torch.save(obj, buf)
         if weights_only:
@@ -197,13 +204,12 @@ class CheckpointStore:
             fence.check(self.url, self.writer)
         fs, root = self._fs()
         make_dirs(fs, root)
-        shard_info = records.describe_shards(fs, root, shards) if shards is not None else None
         data = buf.getbuffer()
         self._put(fs, root, seq, records.data_name(seq), data)
         if self.writer is not None:
             fence.check(self.url, self.writer)  # again, right before the commit point
         self._put(fs, root, seq, records.record_name(seq),
-                  records.build(seq, data, self.writer.tag if self.writer else None, shard_info))
+                  records.build(seq, data, self.writer.tag if self.writer else None, shards))
         self._let_go(fs, root, seq)
         return seq
 
@@ -326,42 +332,6 @@ def _fsync(fs: Any, path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def nonfinite_paths(obj: Any, at: str = "") -> list[str]:
-    """Where ``obj`` holds a NaN or an infinity (floating tensors and Python floats), by path."""
-    import torch
-
-    found: list[str] = []
-    if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        if (local.is_floating_point() or local.is_complex()) and not bool(torch.isfinite(local).all()):
-            found.append(at or "(the object)")
-    elif isinstance(obj, float):
-        if not math.isfinite(obj):
-            found.append(at or "(the object)")
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            found += nonfinite_paths(v, f"{at}/{k}" if at else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            found += nonfinite_paths(v, f"{at}[{i}]")
-    return found
-
-
-def refuse_nonfinite(obj: Any, what: str) -> None:
-    bad = nonfinite_paths(obj)
-    if bad:
-        raise NonFiniteCheckpointError(
-            f"{what} was not committed: it holds NaN or infinite values at {', '.join(bad[:5])}"
-            f"{' ...' if len(bad) > 5 else ''} (the run diverged), and RunConfig.checkpoint_finite_only=True "
-            "keeps such a state from replacing the good checkpoints kept; the rerun resumes from the newest "
-            "of those. Lower the learning rate, or clip gradients"
-        )
-
-
-class NonFiniteCheckpointError(SparkDLError):
-    """A checkpoint holding NaN or infinite values, refused under ``RunConfig.checkpoint_finite_only``."""
 
 
 def _refused_names(data: bytes) -> list[str]:
