@@ -130,9 +130,11 @@ def _pipeline(size: tuple[int, int], device: str, batch: int, threads: int) -> A
         anchor = fn.external_source(name="anchor", dtype=types.FLOAT)  # (x, y) of each region, pixels
         shape = fn.external_source(name="shape", dtype=types.FLOAT)  # (w, h)
         flip = fn.external_source(name="flip", dtype=types.INT32)
+        # adjust_orientation=False: the stored pixels, as every engine gives them; the regions
+        # were drawn on the stored width and height (docs/guides/images.md, EXIF orientation).
         images = fn.decoders.image_slice(
             encoded, anchor, shape, device="mixed" if on_gpu else "cpu", output_type=types.RGB,
-            axis_names="WH", normalized_anchor=False, normalized_shape=False,
+            axis_names="WH", normalized_anchor=False, normalized_shape=False, adjust_orientation=False,
         )
         images = fn.resize(images, resize_x=out_w, resize_y=out_h, antialias=True, dtype=types.UINT8)
         images = fn.flip(images, horizontal=flip)

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.data.image_files import BadImage, open_encoded, rgb, spark_image
 
 if TYPE_CHECKING:
     import numpy as np
@@ -44,10 +44,6 @@ if TYPE_CHECKING:
 CROPS = ("random", "center", "full")
 PILLOW_MAX_PIXELS = 89_478_485
 """Pillow's own limit (``Image.MAX_IMAGE_PIXELS``), this decoder's default ``max_pixels``."""
-
-
-class BadImage(ValueError):
-    """An image that cannot be decoded; the loader names its row and column."""
 
 
 @dataclass(frozen=True)
@@ -206,7 +202,7 @@ class ImageDecoder:
         import numpy as np
 
         try:
-            return np.array(_rgb(im))  # a writable copy: torch refuses to wrap read-only memory quietly
+            return np.array(rgb(im))  # a writable copy: torch refuses to wrap read-only memory quietly
         except Exception as e:
             raise BadImage(f"cannot decode the image ({type(e).__name__}: {e})") from e
 
@@ -224,20 +220,13 @@ class ImageDecoder:
         return int(width), int(height)
 
     def _open(self, value: Any) -> Any:
-        from PIL import Image
-
         if isinstance(value, Mapping):
-            return _spark_image(value, self.max_pixels)
+            return spark_image(value, self.max_pixels)
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise BadImage(f"expected the image's bytes (a binary column), got {type(value).__name__}")
         if len(value) == 0:
             raise BadImage("the image is empty (0 bytes)")
-        try:
-            im = Image.open(io.BytesIO(value))
-        except Image.DecompressionBombError as e:
-            raise BadImage(f"{e}; raise ImageDecoder(max_pixels=...) if such images are expected") from None
-        except Exception as e:
-            raise BadImage(f"not an image Pillow can read ({type(e).__name__}: {e})") from None
+        im = open_encoded(value)
         self._check_pixels(*im.size)
         return im
 
@@ -249,7 +238,7 @@ class ImageDecoder:
         """A batch decoded on ``device``: each sample's ``uint8 [3, H, W]`` tensor there (``None``
         where it failed) and the failures by position. On CUDA, JPEGs go through nvJPEG together;
         other images (and every image on the CPU) through Pillow, then to the device. The crops,
-        resizes and flips of the whole batch are one sampling pass
+        resizes and flips of the whole batch are a few sampling passes over canvases of bounded size
         (:func:`sparkdl._internal.data.image_batches.crop_batch`)."""
         import torch
 
@@ -286,9 +275,12 @@ class ImageDecoder:
         if done:
             regions = [self.region(int(images[i].shape[2]), int(images[i].shape[1]), rngs[i])  # type: ignore[union-attr]
                        for i in done]
-            batch = crop_batch([images[i] for i in done], regions, self.out_size)  # type: ignore[misc]
-            for i, img in zip(done, batch.unbind(0), strict=True):
-                out[i] = img
+            cropped = crop_batch([images[i] for i in done], regions, self.out_size)  # type: ignore[misc]
+            for i, img in zip(done, cropped, strict=True):
+                if isinstance(img, Exception):
+                    bad[i] = BadImage(str(img))
+                else:
+                    out[i] = img
         return out, bad
 
     def _decoded(self, im: Any) -> np.ndarray:
@@ -347,43 +339,6 @@ def _resized(hwc: np.ndarray, size: tuple[int, int], flip: bool) -> np.ndarray:
         t = F.interpolate(t, size=size, mode="bilinear", antialias=True, align_corners=False)
     t = t[0]
     return (t.flip(-1) if flip else t).contiguous().numpy()
-
-
-def _rgb(im: Any) -> Any:
-    """The image as RGB (decodes it): alpha is dropped, grayscale and CMYK converted."""
-    im.load()
-    if im.mode == "RGB":
-        return im
-    if im.mode.startswith("I"):  # 16-bit gray (Pillow's "I;16" or "I"): its top 8 bits
-        import numpy as np
-        from PIL import Image
-
-        wide = np.asarray(im).astype(np.int64)
-        im = Image.fromarray(np.clip(wide >> 8, 0, 255).astype(np.uint8))
-    return im.convert("RGB")
-
-
-def _spark_image(value: Mapping[str, Any], max_pixels: int) -> Any:
-    """A row of Spark's ``image`` source (``height``, ``width``, ``nChannels``, ``mode``, ``data``:
-    raw pixels, BGR or BGRA, 8 bits) as a Pillow RGB image."""
-    from PIL import Image
-
-    try:
-        h, w, c, data = int(value["height"]), int(value["width"]), int(value["nChannels"]), value["data"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise BadImage(f"not a Spark image struct (height, width, nChannels, data): {e}") from None
-    if h < 1 or w < 1 or data is None:
-        raise BadImage(f"Spark could not read this image (height={h}, width={w}); its origin is {value.get('origin')!r}")
-    if w * h > max_pixels:
-        raise BadImage(f"{w} x {h} pixels is more than max_pixels={max_pixels}")
-    if c not in (1, 3, 4) or len(data) != h * w * c:
-        raise BadImage(f"a Spark image of {w} x {h} x {c} channels holds {len(data)} bytes, not {h * w * c}")
-    if c == 1:
-        return Image.frombytes("L", (w, h), bytes(data))
-    raw = Image.frombytes("RGBA" if c == 4 else "RGB", (w, h), bytes(data))
-    # Spark stores OpenCV's order, BGR(A): swap the first and third bands.
-    bands = raw.split()
-    return Image.merge("RGB", (bands[2], bands[1], bands[0]))
 
 
 __all__ = ["PILLOW_MAX_PIXELS", "BadImage", "ImageDecoder"]

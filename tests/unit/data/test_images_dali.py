@@ -60,7 +60,7 @@ def test_dali_names_bad_samples_or_skips_them(tmp_path: Path) -> None:
     for i, data in _bad_samples().items():
         contents[i] = data
     ds = _write(tmp_path / "bad", contents, files=1)
-    with pytest.raises(DatasetError, match=r"row 20 \(row 20 of part-0.parquet, path=.*not an image Pillow can read"):
+    with pytest.raises(DatasetError, match=r"row 20 \(row 20 of part-0.parquet, path=.*not an image in a format sparkdl decodes"):
         list(ds.loader(8, shuffle=False, decode={"content": DALI}, rank=1, world_size=2))
     # A file cut short (row 5) is named by DALI itself, decoding the batch again image by image.
     with pytest.raises(DatasetError, match=r"row 5 \(row 5 of part-0.parquet, path=.*DALI cannot decode the image"):
@@ -136,3 +136,16 @@ def test_children_forked_while_dali_pipelines_exist_neither_hang_nor_crash() -> 
     assert proc.returncode == 0, out[-3000:]
     lines = out.splitlines()
     assert "preexec 0" in lines and "fork 0" in lines and "left 0" in lines, out[-3000:]
+
+
+def test_dali_keeps_the_stored_orientation_of_an_exif_rotated_photo_like_the_cpu_engine() -> None:
+    """One rule for every engine: EXIF orientation is not applied (DALI applies it by default)."""
+    from test_image_inputs import _rotated_jpeg
+
+    data = _rotated_jpeg()  # 40 x 20 stored, red left and blue right, tagged to be shown turned
+    decoder = ImageDecoder((10, 20), crop="full", flip=False, engine="dali")
+    out, bad = decoder.decode_batch([data], [np.random.default_rng(0)])
+    assert not bad and out[0] is not None and tuple(out[0].shape) == (3, 10, 20)
+    cpu = ImageDecoder((10, 20), crop="full", flip=False)(data, np.random.default_rng(0))
+    assert (out[0].float() - torch.from_numpy(cpu).float()).abs().mean() < 6
+    assert out[0][0, :, :8].float().mean() > 180 and out[0][2, :, 12:].float().mean() > 180
