@@ -257,7 +257,7 @@ def run_on_driver(
     try:
         return LocalLauncher(gpu_ids).run(Job(run, fn_bytes, max_attempts=1), monitor)
     finally:
-        progress.finish()
+        progress.finish(cfg.log_flush_timeout_s)
         undelivered = output.close(cfg.log_flush_timeout_s)
         output.say(undelivered, cfg.log_flush_timeout_s)
         if not undelivered.console:

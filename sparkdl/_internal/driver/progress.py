@@ -72,6 +72,14 @@ class Progress:
         self._steps_per_s: float | None = None
         self._handle: Any = None
         self._lock = threading.Lock()
+        # The console is written by a thread of its own: the connections' threads that feed
+        # update() must never wait on a stderr that stalls (a full pipe, a slow log collector),
+        # or the tasks' sends time out and the ranks lose their link to the driver. Only the
+        # newest line waits to be written; the ones it replaced are counted in ``dropped``.
+        self._out = threading.Condition()
+        self._pending: str | None = None
+        self._writer: threading.Thread | None = None
+        self.dropped = 0
 
     def update(self, record: dict[str, Any]) -> None:
         rank, step = record.get("rank"), record.get("step")
@@ -144,6 +152,31 @@ class Progress:
                     f"RunConfig.straggler_factor={self.straggler_factor:g}): {shown}{more}.")
 
     def _show(self, text: str) -> None:
+        with self._out:
+            if self._pending is not None:
+                self.dropped += 1
+            self._pending = text
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_pending, name="sparkdl-progress", daemon=True)
+                self._writer.start()
+
+    def _write_pending(self) -> None:
+        while True:
+            with self._out:
+                text, self._pending = self._pending, None
+                if text is None:
+                    self._writer = None
+                    self._out.notify_all()
+                    return
+            self._emit(text)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Waits until the lines shown so far are written, at most ``timeout_s``; False when the
+        console did not take them in time (its last line is then dropped with the writer)."""
+        with self._out:
+            return self._out.wait_for(lambda: self._writer is None, timeout=timeout_s)
+
+    def _emit(self, text: str) -> None:
         if _in_notebook():
             try:
                 from IPython.display import display
@@ -160,10 +193,12 @@ class Progress:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
 
-    def finish(self) -> None:
+    def finish(self, timeout_s: float = 10.0) -> None:
+        """Shows the last line and waits, at most ``timeout_s``, for the console to take it."""
         if self.enabled and self._state:
             with self._lock:
                 self._show(self.render())
+        self.drain(timeout_s)
 
 
 def _in_notebook() -> bool:

@@ -215,7 +215,7 @@ def launch(
         if marker is not None:
             marker.remove()
         metrics.close()
-        progress.finish()
+        progress.finish(cfg.log_flush_timeout_s)
         output.say(output.close(cfg.log_flush_timeout_s), cfg.log_flush_timeout_s)
         result = RunResult(
             value=value,
