@@ -25,6 +25,7 @@ from sparkdl._internal.driver.report import RankRecord
 from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire.channel import ChannelError, FramedConnection, Message
 from sparkdl._internal.wire.messages import (
+    MAX_LINE_BYTES,
     DumpStacks,
     Exited,
     Gang,
@@ -89,7 +90,8 @@ class Monitor:
         self._hellos: dict[Hashable, Hello] = {}
         self._joined: dict[Hashable, tuple[int, int]] = {}
         self._gangs: dict[tuple[int, ...], int] = {}
-        self._partial: dict[tuple[int, int, str], str] = {}
+        self._partial: dict[tuple[int, int, str], list[str]] = {}
+        self.cut_chars = 0  # of lines longer than MAX_LINE_BYTES (in characters): what was not kept
         self._start_seq: dict[int, int | None] = {}
         self._judged: set[int] = set()
         self._last_trouble = time.monotonic()
@@ -205,9 +207,15 @@ class Monitor:
     def log(self, attempt: int, rank: int, msg: LogLine) -> None:
         pkey = (attempt, rank, msg.stream)
         if msg.more:
-            self._partial[pkey] = self._partial.get(pkey, "") + msg.text
+            # Pieces are joined once, when the line ends: adding each to a string made a line of
+            # n pieces cost n squared. A line longer than the task's bound is cut there.
+            pieces = self._partial.setdefault(pkey, [])
+            if sum(map(len, pieces)) + len(msg.text) <= MAX_LINE_BYTES:
+                pieces.append(msg.text)
+            else:
+                self.cut_chars += len(msg.text)
             return
-        line = self._partial.pop(pkey, "") + msg.text
+        line = "".join([*self._partial.pop(pkey, []), msg.text])
         # Without ``cond``: a rank's lines come on its own connection's thread only, which alone
         # writes its tail, and the report reads a list that is always whole. Every channel thread
         # taking the one lock for every line made a gang of 64 spend most of its time waiting on it.

@@ -19,10 +19,12 @@ from sparkdl._internal.wire.messages import PROGRESS_KEY as PROGRESS_KEY
 
 
 class MetricsLog:
-    """Thread-safe: records in memory and, line by line, in a JSON-lines file."""
+    """Thread-safe: records in memory (unless ``keep`` is False: a relay hub, whose record of the
+    attempt carries them) and, line by line, in a JSON-lines file."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, *, keep: bool = True) -> None:
         self.path = path
+        self.keep = keep
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._file = None
@@ -32,7 +34,8 @@ class MetricsLog:
 
     def add(self, record: dict[str, Any]) -> None:
         with self._lock:
-            self.records.append(record)
+            if self.keep:
+                self.records.append(record)
             if self._file is not None:
                 self._file.write(json.dumps(record) + "\n")
                 self._file.flush()

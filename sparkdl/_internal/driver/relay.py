@@ -30,13 +30,15 @@ from sparkdl._internal.common.errors import SparkDLError
 from sparkdl._internal.driver.monitor import Monitor
 from sparkdl._internal.driver.progress import MetricsLog, Progress
 from sparkdl._internal.wire.channel import ChannelError, FramedConnection, Message
-from sparkdl._internal.wire.messages import LogLine, LogLines, RankState, Stop, decode
+from sparkdl._internal.wire.messages import LogLine, LogLines, Metric, RankState, Stop, decode
 from sparkdl._internal.wire.rankspec import RunSpec
 from sparkdl._internal.wire.server import ChannelServer
 
 _DOMAIN = b"sparkdl-relay-record\n"
-# Output kept for the driver, in all; past it lines are counted, not kept (metrics and ends are).
+# Output kept for the driver, in all; past it lines are counted, not kept (ends always are).
 MAX_LOG_BYTES = 64 * 1024 * 1024
+# Metrics kept for the driver, in all (their JSON); past it they are counted, not kept.
+MAX_METRIC_BYTES = 16 * 1024 * 1024
 _POLL_S = 0.25
 _STOP_EVENT = -1
 # After the hub's Stop: how long, beyond kill_grace_s, the tasks have to end and hang up.
@@ -58,6 +60,7 @@ class Replayed:
     stop: str | None  # why the hub stopped the attempt (a bound, a failed rank), None if it did not
     timed_out: bool
     dropped_lines: int
+    dropped_metrics: int = 0
 
 
 class Hub:
@@ -67,7 +70,7 @@ class Hub:
         cfg = dataclasses.replace(run.config, echo_logs=False)
         self.run, self.cfg, self._secret = run, cfg, secret
         self.first_attempt = first_attempt
-        self.monitor = Monitor(run.world_size, first_attempt + 1, cfg, None, MetricsLog(None),
+        self.monitor = Monitor(run.world_size, first_attempt + 1, cfg, None, MetricsLog(None, keep=False),
                                Progress(1.0, enabled=False), first_attempt=first_attempt)
         self._events: list[tuple[int, Message | None]] = []
         self._keys: dict[Hashable, int] = {}
@@ -75,6 +78,8 @@ class Hub:
         self._closed: set[Hashable] = set()
         self._log_bytes = 0
         self._dropped = 0
+        self._metric_bytes = 0
+        self._dropped_metrics = 0
         self._stop: str | None = None
         self._timed_out = False
         self._server = ChannelServer(host, secret, self._on_message, self._on_close,
@@ -98,6 +103,13 @@ class Hub:
 
     def _keep(self, frame: Message) -> bool:
         kind = frame.get("t")
+        if kind == Metric.kind:
+            size = len(json.dumps(frame.get("m"), separators=(",", ":"), default=str))
+            if self._metric_bytes + size > MAX_METRIC_BYTES:
+                self._dropped_metrics += 1
+                return False
+            self._metric_bytes += size
+            return True
         if kind not in (LogLine.kind, LogLines.kind):
             return True
         texts = frame.get("ls") if kind == LogLines.kind else [frame.get("l", "")]
@@ -186,6 +198,7 @@ class Hub:
                 "stop": self._stop,
                 "timed_out": self._timed_out,
                 "dropped_lines": self._dropped,
+                "dropped_metrics": self._dropped_metrics,
             }
         return Record(succeeded, sign(self._secret, json.dumps(body, separators=(",", ":")).encode()))
 
@@ -250,7 +263,12 @@ def replay(blob: bytes, secret: bytes, run_id: str, first_attempt: int, monitor:
     dropped = int(record.get("dropped_lines", 0))
     if dropped:
         print(f"sparkdl: {dropped} lines of the ranks' output were not relayed (over {MAX_LOG_BYTES >> 20} MiB)")
-    return Replayed(stop, timed_out, dropped)
+    dropped_metrics = int(record.get("dropped_metrics", 0))
+    if dropped_metrics:
+        print(f"sparkdl: {dropped_metrics} metric records of the ranks were not relayed (over "
+              f"{MAX_METRIC_BYTES >> 20} MiB); log fewer, or let the executors reach the driver "
+              "(spark.sparkdl.channel)")
+    return Replayed(stop, timed_out, dropped, dropped_metrics)
 
 
 def blind_bound(config: Any) -> float | None:

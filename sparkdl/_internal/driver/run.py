@@ -31,6 +31,7 @@ from sparkdl._internal.spark.reach import Marker
 from sparkdl._internal.spark.session import resolve_session
 from sparkdl._internal.train.fence import RunLease
 from sparkdl._internal.train.store import CheckpointStore
+from sparkdl._internal.wire.messages import MAX_LINE_BYTES
 from sparkdl._internal.wire.rankspec import RunSpec
 
 if TYPE_CHECKING:
@@ -217,6 +218,9 @@ def launch(
         metrics.close()
         progress.finish(cfg.log_flush_timeout_s)
         output.say(output.close(cfg.log_flush_timeout_s), cfg.log_flush_timeout_s)
+        if monitor.cut_chars:
+            log.warning("sparkdl: %d characters of the ranks' output were not kept: lines longer than %d MiB "
+                        "are cut there", monitor.cut_chars, MAX_LINE_BYTES >> 20)
         result = RunResult(
             value=value,
             run_id=run_id,

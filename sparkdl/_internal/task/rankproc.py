@@ -30,6 +30,7 @@ from sparkdl._internal.common import proctree
 from sparkdl._internal.rank.main import LIFELINE_FRAME, STACK_SIGNAL, STACKS_FILE
 from sparkdl._internal.task.net import iface_for
 from sparkdl._internal.task.spawn import ProcessHandle, start_rank
+from sparkdl._internal.wire.messages import MAX_LINE_BYTES
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, gang_env, rank_env
 
 # How long a rank has to write its stacks once signalled, and the most of them kept.
@@ -131,7 +132,7 @@ class _Relay:
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         pending: list[bytes] = []  # whole lines read and not yet sent, without their newline
         partial: list[bytes] = []  # the pieces of the line being read (a long one comes in many reads)
-        size, due = 0, None
+        size, due, partial_size = 0, None, 0
         try:
             while True:
                 wait_ms = None if due is None else max(0, int((due - time.monotonic()) * 1000))
@@ -142,12 +143,22 @@ class _Relay:
                     *whole, rest = chunk.split(b"\n")
                     if whole:
                         whole[0] = b"".join([*partial, whole[0]])
-                        partial = []
+                        partial, partial_size = [], 0
+                        whole = [_last_redraw(line) for line in whole]
                         pending += whole
                         size += sum(map(len, whole))
                         due = due or time.monotonic() + BATCH_S
                     if rest:
                         partial.append(rest)
+                        partial_size += len(rest)
+                        if b"\r" in rest:
+                            partial = [_last_redraw(b"".join(partial))]
+                            partial_size = len(partial[0])
+                        if partial_size >= MAX_LINE_BYTES:
+                            pending.append(b"".join(partial))
+                            size += partial_size
+                            partial, partial_size = [], 0
+                            due = due or time.monotonic() + BATCH_S
                 if pending and (size >= BATCH_BYTES or time.monotonic() >= (due or 0)):
                     self._send(pending)
                     pending, size, due = [], 0, None
@@ -175,6 +186,13 @@ class _Relay:
         if not sent and self._fallback is not None:
             # The driver is unreachable: keep the lines in the executor's log instead.
             self._fallback.write("".join(text + "\n" for text in texts))
+
+
+def _last_redraw(line: bytes) -> bytes:
+    """What a terminal shows of ``line``: the text after its last carriage return (one that ends
+    it, as in ``\r\n``, does not count)."""
+    cut = line.rstrip(b"\r").rfind(b"\r")
+    return line if cut < 0 else line[cut + 1:]
 
 
 class RankProcess:

@@ -126,6 +126,12 @@ class LogLines:
         return {"s": self.stream, "ls": list(self.texts)}
 
 
+MAX_LINE_BYTES = 128 * 1024 * 1024
+"""The longest line of a rank's output kept whole. Output that goes on without a newline past it
+(a program writing a stream of bytes with none) is sent in lines of this size by the task, and
+the driver keeps no more of one line; a carriage return redraws its line, as in a terminal, so a
+progress bar's redraws (tqdm's ``\r``) keep only the last one."""
+
 # The key of a Metric record that only reports a rank's step (TrainState sends one a second from
 # every rank but 0): the driver's progress line and straggler check take it; the metrics do not.
 PROGRESS_KEY = "sparkdl.progress"

@@ -55,3 +55,30 @@ def test_a_tampered_or_foreign_record_is_refused() -> None:
     # Signed by the run, but another job's record: not replayed as this one's.
     with pytest.raises(SparkDLError, match="another Spark job"):
         relay.replay(_record(secret, first_attempt=1), secret, "r1", 0, _monitor())
+
+
+def test_a_hub_keeps_the_ranks_metrics_up_to_its_bound_and_the_driver_is_told_how_many_it_dropped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Task 0's hub holds the attempt's record in memory until the attempt ends: a rank logging
+    metrics without end must not grow it without bound (its output already had one)."""
+    from sparkdl._internal.common.config import RunConfig
+    from sparkdl._internal.wire.rankspec import RunSpec
+
+    monkeypatch.setattr(relay, "MAX_METRIC_BYTES", 3000)
+    monkeypatch.setattr(relay, "_SETTLE_S", 0.1)
+    cfg = RunConfig(connect_timeout_s=0.5, handshake_timeout_s=0.5, kill_grace_s=0.5)
+    run = RunSpec(run_id="r1", world_size=1, backend="torch", use_gpu=False, checkpoint_url="file:///unused", config=cfg)
+    secret = os.urandom(32)
+    hub = relay.Hub("127.0.0.1", secret, run, 0)
+    try:
+        kept = [hub._keep({"t": "metric", "r": 0, "a": 0, "m": {"step": i, "loss": 0.5, "note": "x" * 80}})
+                for i in range(100)]
+        record = hub.finish()  # no rank joined: the hub stops the attempt after its bound
+    finally:
+        hub.close()
+    assert 20 <= kept.count(True) <= 30 and kept[: kept.count(True)] == [True] * kept.count(True)
+    assert hub.monitor.metrics.records == []  # the hub's record carries them; it keeps no second copy
+    replayed = relay.replay(record.blob, secret, "r1", 0, _monitor())
+    assert replayed.dropped_metrics == kept.count(False)
+    assert f"{kept.count(False)} metric records of the ranks were not relayed" in capsys.readouterr().out

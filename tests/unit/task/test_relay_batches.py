@@ -122,3 +122,50 @@ def test_the_driver_link_packs_lines_into_frames_of_bounded_size_and_a_huge_line
     for frame in conn.frames:
         joined += frame["ls"] if frame["t"] == LogLines.kind else [frame["l"]]
     assert "".join(joined[2:4]) == huge and [joined[0], joined[1], *joined[4:]] == ["a", "b", "c", *(["m" * 1000] * 2000)]
+
+
+def test_progress_bar_redraws_keep_only_the_last_one_and_endless_output_goes_in_bounded_lines(monkeypatch: Any) -> None:
+    """tqdm redraws its line with carriage returns and writes a newline only at the end (or
+    never): the relay keeps what a terminal would show, not every redraw since the last newline,
+    and output with no newline at all goes on in lines of at most MAX_LINE_BYTES."""
+    import sparkdl._internal.task.rankproc as rankproc
+
+    sink = _Calls()
+    write_fd, relay = _relay(sink)
+    for i in range(50_000):  # 1.3 MB of redraws: each ends with \r, as tqdm writes them
+        os.write(write_fd, f"  {i:6d}/50000 steps\r".encode())
+    os.write(write_fd, b"  done\r\n")  # the last redraw, ended as on Windows
+    os.close(write_fd)
+    relay.thread.join(30)
+    assert sink.got() == ["  done\r"]
+
+    monkeypatch.setattr(rankproc, "MAX_LINE_BYTES", 1 << 20)
+    sink = _Calls()
+    write_fd, relay = _relay(sink)
+    writer = threading.Thread(target=lambda: (os.write(write_fd, b"q" * (5 << 20) + b"end"), os.close(write_fd)))
+    writer.start()
+    relay.thread.join(60)
+    writer.join(10)
+    got = sink.got()
+    assert "".join(got) == "q" * (5 << 20) + "end"  # nothing lost, in order
+    assert max(map(len, got)) < (1 << 20) + (64 << 10) and len(got) >= 5  # never much more than the bound at once
+
+
+def test_the_driver_joins_a_long_lines_pieces_once_and_keeps_at_most_the_bound(monkeypatch: Any, tmp_path: Any) -> None:
+    import sparkdl._internal.driver.monitor as monitor_module
+    from sparkdl._internal.common.config import RunConfig
+    from sparkdl._internal.driver.monitor import Monitor
+    from sparkdl._internal.driver.output import RankOutput
+    from sparkdl._internal.driver.progress import MetricsLog, Progress
+
+    monkeypatch.setattr(monitor_module, "MAX_LINE_BYTES", 3000)
+    output = RankOutput(tmp_path, echo=False)
+    monitor = Monitor(1, 1, RunConfig(), None, MetricsLog(None), Progress(1.0, enabled=False), output=output)
+    for piece in ("a" * 1000, "b" * 1000, "c" * 1000, "d" * 1000):
+        monitor.log(0, 0, LogLine("o", piece, more=True))
+    monitor.log(0, 0, LogLine("o", "end"))
+    monitor.log(0, 0, LogLine("o", "next"))
+    output.close(timeout_s=5)
+    assert monitor.cut_chars == 1000
+    [log] = list(tmp_path.rglob("*.log")) or list(p for p in tmp_path.rglob("*") if p.is_file())
+    assert log.read_text().splitlines() == ["a" * 1000 + "b" * 1000 + "c" * 1000 + "end", "next"]
