@@ -73,14 +73,14 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         from fsspec.core import url_to_fs
     except ImportError as exc:
         raise ConfigError(
-            f"path {url!r} has the scheme {scheme!r}, which pyarrow does not reach by itself and "
+            f"path {redact(url)!r} has the scheme {scheme!r}, which pyarrow does not reach by itself and "
             "fsspec is not installed; pip install fsspec (and the fsspec package for the scheme)"
         ) from exc
     try:
         fsspec_fs, path = url_to_fs(url, **dict(storage_options or {}))
     except (ImportError, ValueError) as exc:
         raise ConfigError(
-            f"path {url!r}: no filesystem for the scheme {scheme!r} ({type(exc).__name__}: {exc}); "
+            f"path {redact(url)!r}: no filesystem for the scheme {scheme!r} ({type(exc).__name__}: {exc}); "
             "install the fsspec implementation it names, or use a local, file://, s3://, gs:// or "
             "hdfs:// URL"
         ) from exc

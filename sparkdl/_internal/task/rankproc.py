@@ -31,7 +31,7 @@ from sparkdl._internal.rank.main import LIFELINE_FRAME, STACK_SIGNAL, STACKS_FIL
 from sparkdl._internal.task.net import iface_for
 from sparkdl._internal.task.spawn import ProcessHandle, start_rank
 from sparkdl._internal.wire.messages import MAX_LINE_BYTES
-from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, gang_env, rank_env
+from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, gang_env, rank_env, write_secrets
 
 # How long a rank has to write its stacks once signalled, and the most of them kept.
 STACK_DUMP_S = 1.0
@@ -223,7 +223,8 @@ class RankProcess:
         self._relays: list[_Relay] = []
         self._dump_lock = threading.Lock()
         (workdir / "payload.pkl").write_bytes(fn_bytes)
-        env = {**os.environ, **rank_env(spec)}
+        write_secrets(spec, workdir)
+        env = {**os.environ, **rank_env(spec, workdir)}
         iface = iface_for(spec.host)
         if iface is not None:
             env.setdefault("GLOO_SOCKET_IFNAME", iface)

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import SparkDLError
+from sparkdl._internal.fs.storage import redact
 from sparkdl._internal.train import dcp_files
 from sparkdl._internal.train.finite import nonfinite_paths, refuse_nonfinite
 from sparkdl._internal.train.store import SHARDED, CheckpointStore
@@ -201,7 +202,7 @@ def save(store: CheckpointStore, obj: Any, *, weights_only: bool = True) -> int:
     if store.finite_only:
         # Every rank looks at its own shards, and all refuse together: no rank is left waiting.
         bad = sorted({p for found in all_gather_json(nonfinite_paths(obj)) for p in found})
-        refuse_nonfinite(bad, f"the sharded checkpoint of {store.url}")
+        refuse_nonfinite(bad, f"the sharded checkpoint of {redact(store.url)}")
     seq = broadcast_seq(store.next_seq() if _rank() == 0 else None)
     if seq is None:
         raise SparkDLError("rank 0 found no checkpoint number to write")
@@ -222,7 +223,7 @@ def save(store: CheckpointStore, obj: Any, *, weights_only: bool = True) -> int:
     reports = all_gather_json(wrote)
     failed = [f"rank {r}: {w['error']}" for r, w in enumerate(reports) if "error" in w]
     if failed:
-        raise SparkDLError(f"the sharded save of checkpoint {seq} of {store.url} failed, so it was not "
+        raise SparkDLError(f"the sharded save of checkpoint {seq} of {redact(store.url)} failed, so it was not "
                            f"committed: {'; '.join(failed)}")
     # Rank 0 commits, and tells the others whether it did, so that a refused commit fails
     # every rank and none waits.
@@ -243,7 +244,7 @@ def save(store: CheckpointStore, obj: Any, *, weights_only: bool = True) -> int:
     if failure is not None:
         raise failure
     if committed != seq:
-        raise SparkDLError(f"rank 0 did not commit checkpoint {seq} of {store.url}; its error says why")
+        raise SparkDLError(f"rank 0 did not commit checkpoint {seq} of {redact(store.url)}; its error says why")
     return seq
 
 
@@ -265,7 +266,7 @@ def load(store: CheckpointStore, seq: int, into: Any, *, weights_only: bool = Tr
     missing = [p for p in wanted if p not in targets]
     if missing:
         raise SparkDLError(
-            f"checkpoint {seq} of {store.url} holds sharded tensors that `into` has no sharded tensor for: "
+            f"checkpoint {seq} of {redact(store.url)} holds sharded tensors that `into` has no sharded tensor for: "
             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; pass the model's and "
             "optimizer's sharded state dicts (get_state_dict(model, optimizer)) under the keys they were saved"
         )
@@ -274,7 +275,7 @@ def load(store: CheckpointStore, seq: int, into: Any, *, weights_only: bool = Tr
         url = f"{store.url}/{record['shards']}"
         expected = frozenset(wanted)
         parts = [dcp_files.read_rank_metadata(url, r, expected) for r in range(_saved_ranks(record, url))]
-        merged = dcp_files.merge(parts, expected, url)
+        merged = dcp_files.merge(parts, expected, redact(url))
         dcp.load(request, storage_reader=dcp_files.reader(url, merged), no_dist=True)
     return join(skeleton, request)
 
@@ -284,7 +285,7 @@ def _saved_ranks(record: dict[str, Any], url: str) -> int:
     if isinstance(ranks, int) and ranks > 0:
         return ranks
     raise SparkDLError(
-        f"the sharded checkpoint {url} was written by an earlier sparkdl, whose ranks exchanged DCP's "
+        f"the sharded checkpoint {redact(url)} was written by an earlier sparkdl, whose ranks exchanged DCP's "
         "plans as pickles; this version reads only checkpoints it wrote. Load it with that version, or "
         "start the run over"
     )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import SparkDLError
 from sparkdl._internal.common.validate import int_at_least
+from sparkdl._internal.fs.storage import redact
 from sparkdl._internal.rank.context import context
 from sparkdl._internal.train import sharded as sharded_ckpt
 from sparkdl._internal.train.sharded import all_gather_json
@@ -181,7 +182,7 @@ class TrainState:
             ckpt = store.load(seq, weights_only=self.weights_only, sharded_ok=True)
             if isinstance(ckpt, dict) and ckpt.get(sharded_ckpt.SHARDED):
                 raise SparkDLError(
-                    f"checkpoint {seq} of {store.url} is sharded, and this TrainState's model is not: "
+                    f"checkpoint {seq} of {redact(store.url)} is sharded, and this TrainState's model is not: "
                     "shard the model as the run that saved it did (fully_shard), before TrainState"
                 )
         self._load_model_and_optimizer(ckpt["model"], ckpt["optimizer"])

@@ -17,9 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import NotInRunError
+from sparkdl._internal.fs.storage import redact
 
 PREFIX = "SPARKDL_"
 # Descriptors a rank inherits; the environment names their numbers as SPARKDL_<NAME>_FD.
@@ -117,8 +119,16 @@ class GangSpec:
         return cls(attempt, tuple(hosts), master_port, local_rank, local_world, checkpoints_refused)
 
 
-def rank_env(spec: RankSpec) -> dict[str, str]:
-    """The variables a rank process starts with (added to the task's own environment)."""
+CHECKPOINT_URL_FILE = "checkpoint_url"
+"""In the rank's private workdir: the checkpoint URL, where it holds a password (see :func:`rank_env`)."""
+
+
+def rank_env(spec: RankSpec, workdir: Path | None = None) -> dict[str, str]:
+    """The variables a rank process starts with (added to the task's own environment).
+
+    A checkpoint URL with a password is given redacted: the environment is what the user's code,
+    every program it starts and the failure report's context show. With ``workdir`` (the rank's
+    private directory, where :func:`write_secrets` put it), the rank reads the whole URL there."""
     env = {
         # Set before torch starts, so the rank sees exactly the GPUs Spark assigned to its task.
         "CUDA_VISIBLE_DEVICES": ",".join(spec.gpu_ids),
@@ -141,8 +151,29 @@ def rank_env(spec: RankSpec) -> dict[str, str]:
         # The Python worker running this rank's Spark task (a forked rank's parent is the zygote).
         env[PREFIX + "TASK_PID"] = str(spec.task_pid)
     if spec.checkpoint_url:
-        env[PREFIX + "CHECKPOINT_DIR"] = spec.checkpoint_url
+        shown = redact(spec.checkpoint_url)
+        env[PREFIX + "CHECKPOINT_DIR"] = shown
+        if shown != spec.checkpoint_url and workdir is not None:
+            env[PREFIX + "CHECKPOINT_URL_FILE"] = str(workdir / CHECKPOINT_URL_FILE)
+        elif shown != spec.checkpoint_url:
+            env[PREFIX + "CHECKPOINT_DIR"] = spec.checkpoint_url
     return env
+
+
+def write_secrets(spec: RankSpec, workdir: Path) -> None:
+    """Writes what :func:`rank_env` keeps out of the environment into the rank's private workdir (0600)."""
+    if spec.checkpoint_url and redact(spec.checkpoint_url) != spec.checkpoint_url:
+        fd = os.open(workdir / CHECKPOINT_URL_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(spec.checkpoint_url)
+
+
+def _checkpoint_url(env: Mapping[str, str]) -> str | None:
+    path = env.get(PREFIX + "CHECKPOINT_URL_FILE")
+    if path:
+        with open(path) as f:
+            return f.read()
+    return env.get(PREFIX + "CHECKPOINT_DIR") or None
 
 
 def gang_env(spec: RankSpec, gang: GangSpec) -> dict[str, str]:
@@ -201,7 +232,7 @@ def read_rank(env: Mapping[str, str] | None = None) -> RankSpec:
         task_pid=int(task_pid) if task_pid else None,
         collective_timeout_s=float(env.get(PREFIX + "COLLECTIVE_TIMEOUT_S", RunConfig.collective_timeout_s)),
         init_process_group=env.get(PREFIX + "INIT_PROCESS_GROUP", "1") == "1",
-        checkpoint_url=env.get(PREFIX + "CHECKPOINT_DIR") or None,
+        checkpoint_url=_checkpoint_url(env),
         keep_checkpoints=int(env.get(PREFIX + "KEEP_CHECKPOINTS", RunConfig.keep_checkpoints)),
         checkpoint_sync=env.get(PREFIX + "CHECKPOINT_SYNC") == "1",
         checkpoint_finite_only=env.get(PREFIX + "CHECKPOINT_FINITE_ONLY") == "1",

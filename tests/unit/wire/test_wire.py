@@ -111,6 +111,24 @@ def test_what_a_rank_is_told_round_trips_through_its_environment() -> None:
     assert (gang.local_rank, gang.local_world_size) == (1, 2)
 
 
+def test_a_checkpoint_urls_password_stays_out_of_the_ranks_environment_and_messages(tmp_path: Path) -> None:
+    import stat
+
+    from sparkdl._internal.wire.rankspec import write_secrets
+
+    url = "ftp://trainer:s3cret@files.example/ckpt"
+    run = RunSpec("r1", 2, "torch", False, url, RunConfig(checkpoint_sync=True, checkpoint_finite_only=True))
+    spec = RankSpec.of(run, rank=1, host="h", gpu_ids=[], task_pid=1)
+    write_secrets(spec, tmp_path)
+    env = rank_env(spec, tmp_path)
+    assert not any("s3cret" in value for value in env.values())
+    assert env["SPARKDL_CHECKPOINT_DIR"] == "ftp://trainer:***@files.example/ckpt"
+    assert stat.S_IMODE((tmp_path / "checkpoint_url").stat().st_mode) == 0o600
+    told = read_rank(env)
+    assert told == spec and told.checkpoint_url == url and told.checkpoint_sync and told.checkpoint_finite_only
+    assert "s3cret" not in repr(CheckpointStore(url))  # what sparkdl says of such a store
+
+
 def test_a_rank_with_gpus_sees_only_its_own_and_is_local_rank_0() -> None:
     run = RunSpec("r1", 2, "torch", True, "file:///ckpt", RunConfig())
     spec = RankSpec.of(run, rank=1, host="h", gpu_ids=["3"], task_pid=1)
