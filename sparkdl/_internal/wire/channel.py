@@ -37,6 +37,10 @@ MAX_UNAUTHENTICATED_BYTES = 4 * 1024
 _HEADER = struct.Struct(">I")
 # The first frame connect() sends, to authenticate its connection at once.
 HANDSHAKE: dict[str, Any] = {"channel": "sparkdl"}
+# The server's answer to a connection it closed to make room (ChannelServer's cap on connections
+# in the handshake), before it read the client's handshake: authenticated, so that only a client
+# holding the secret believes it, and retries.
+RETRY: dict[str, Any] = {"channel": "sparkdl", "retry": True}
 
 Message = dict[str, Any]
 
@@ -158,6 +162,11 @@ class FramedConnection:
         """The server's side of the handshake: the nonce that every tag of this connection covers."""
         self._sock.sendall(self._nonce)
 
+    def stop_reading(self) -> None:
+        """Wakes the thread blocked reading the connection, which may still write (a last frame)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RD)
+
     def abort(self) -> None:
         """Ends the connection under a thread blocked reading it; that thread closes the socket."""
         with contextlib.suppress(OSError):
@@ -169,11 +178,41 @@ class FramedConnection:
 
 
 def connect(address: tuple[str, int], secret: bytes, timeout: float) -> FramedConnection:
-    """Connects to a :class:`~sparkdl._internal.wire.server.ChannelServer` and authenticates; ChannelError if not in ``timeout``."""
+    """Connects to a :class:`~sparkdl._internal.wire.server.ChannelServer` and authenticates; ChannelError if not in ``timeout``.
+
+    The server acknowledges the handshake. A server that closed this connection to make room
+    (a flood of connections in the handshake) says so, and the client connects again, backing
+    off, until ``timeout``; one that closes it without a word refused the secret."""
     deadline = time.monotonic() + timeout
     where = f"the sparkdl driver at {address[0]}:{address[1]}"
+    backoff, tries = 0.05, 0
+    while True:
+        tries += 1
+        conn = _connect_once(address, secret, deadline, where)
+        try:
+            answer = conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            conn.close()
+            raise ChannelError(f"{where} did not acknowledge the handshake within {timeout} s") from exc
+        except (OSError, ChannelError) as exc:
+            conn.close()
+            raise ChannelError(f"{where} dropped the connection in the handshake ({exc})") from exc
+        if answer == HANDSHAKE:
+            return conn
+        conn.close()
+        if answer != RETRY:
+            raise ChannelError(f"{where} closed the connection instead of acknowledging the handshake: it does "
+                               "not hold this run's secret (another run's driver at the same address?)")
+        if time.monotonic() + backoff >= deadline:
+            raise ChannelError(f"{where} had no room for this connection in {tries} tries within {timeout} s "
+                               "(a flood of connections that never authenticate?); raise RunConfig.connect_timeout_s")
+        time.sleep(backoff)
+        backoff = min(backoff * 2, 1.0)
+
+
+def _connect_once(address: tuple[str, int], secret: bytes, deadline: float, where: str) -> FramedConnection:
     try:
-        sock = socket.create_connection(address, timeout=timeout)
+        sock = socket.create_connection(address, timeout=max(0.001, deadline - time.monotonic()))
     except OSError as exc:
         raise ChannelError(f"cannot connect to {where}: {exc}") from exc
     try:
@@ -188,7 +227,7 @@ def connect(address: tuple[str, int], secret: bytes, timeout: float) -> FramedCo
         conn.send(HANDSHAKE)
     except TimeoutError as exc:
         sock.close()
-        raise ChannelError(f"{where} sent no handshake within {timeout} s") from exc
+        raise ChannelError(f"{where} sent no handshake before the deadline") from exc
     except (OSError, ChannelError):
         sock.close()
         raise

@@ -23,6 +23,7 @@ from sparkdl._internal.wire.channel import (
     HANDSHAKE,
     MAX_UNAUTHENTICATED_BYTES,
     NONCE_BYTES,
+    RETRY,
     ChannelError,
     FramedConnection,
     Message,
@@ -154,7 +155,7 @@ class ChannelServer:
                 victims.append(victim)
             self.evicted += len(victims)
         for victim in victims:
-            victim.abort()
+            victim.stop_reading()  # its thread tells a genuine client to retry, then closes it
         try:
             thread.start()
         except RuntimeError:  # can't start new thread
@@ -179,14 +180,29 @@ class ChannelServer:
             raise ChannelError(
                 f"no authenticated frame within handshake_timeout_s={self._handshake_timeout_s}"
             ) from exc
+        except (ChannelError, OSError):
+            if self._was_evicted(conn):
+                return None
+            raise
+        if self._was_evicted(conn):
+            return None
         if first is None:
             return None
         with self._lock:
-            if conn not in self._pending:  # evicted, or the server is closing
+            if conn not in self._pending:  # the server is closing
                 return None
             del self._pending[conn]
             self._conns.add(conn)
         return first
+
+    def _was_evicted(self, conn: FramedConnection) -> bool:
+        """Whether ``conn`` was closed to make room; if so, a genuine client is told to retry."""
+        with self._lock:
+            evicted = conn not in self._pending and not self._closed.is_set()
+        if evicted:
+            with contextlib.suppress(OSError, ChannelError):
+                conn.send(RETRY)
+        return evicted
 
     def _serve(self, conn: FramedConnection, accepted_at: float) -> None:
         reason: str | None = None
@@ -196,7 +212,9 @@ class ChannelServer:
             if first is None:
                 return
             authenticated = True
-            if first != HANDSHAKE:
+            if first == HANDSHAKE:
+                conn.send(HANDSHAKE)  # the client's connect() waits for this
+            else:
                 self._on_message(conn, first)
             while (message := conn.recv()) is not None:
                 self._on_message(conn, message)

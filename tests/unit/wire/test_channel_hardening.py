@@ -25,10 +25,13 @@ import pytest
 from conftest import REPO
 
 from sparkdl._internal.wire.channel import (
+    HANDSHAKE,
     MAX_PAYLOAD_BYTES,
     MAX_UNAUTHENTICATED_BYTES,
     NONCE_BYTES,
+    RETRY,
     TAG_BYTES,
+    ChannelError,
     FramedConnection,
     connect,
 )
@@ -272,16 +275,66 @@ def test_a_client_with_the_wrong_secret_is_rejected_and_never_heard(
     echo: Callable[..., _Echo],
 ) -> None:
     e = echo(handshake_timeout_s=5.0)
-    conn = connect(e.server.address, b"not the run secret" * 2, timeout=5)
-    try:
-        with pytest.raises(OSError):
-            for _ in range(50):
-                conn.send({"t": "hello"})
-                time.sleep(0.02)
-    finally:
-        conn.close()
+    started = time.monotonic()
+    with pytest.raises(ChannelError, match="does not hold this run's secret"):
+        connect(e.server.address, b"not the run secret" * 2, timeout=5)
+    assert time.monotonic() - started < 2, "a refused secret is not retried"
     _wait_for(lambda: e.server.rejected == 1, "the impostor counted as rejected")
     assert e.received == [] and e.closed == []
+
+
+def test_a_connection_closed_to_make_room_is_told_to_retry_and_only_its_holder_can_believe_it(
+    echo: Callable[..., _Echo], rogues: Callable[..., socket.socket]
+) -> None:
+    e = echo(handshake_timeout_s=30.0, max_unauthenticated=1)
+    genuine = rogues(e.server.address)
+    nonce = genuine.recv(NONCE_BYTES)  # the server now waits for this connection's handshake
+    _wait_for(lambda: len(e.server._pending) == 1, "the connection waits in the handshake")
+    rogues(e.server.address)  # one more over the cap: the oldest, the genuine one, makes room
+    _wait_for(lambda: e.server.evicted == 1, "the oldest connection was closed")
+    genuine.settimeout(None)
+    told = FramedConnection(genuine, SECRET, nonce, is_server=False).recv(timeout=5)
+    assert told == RETRY  # authenticated with the run's secret: a flooder cannot forge or use it
+    assert e.server.rejected == 0  # made room for, not refused
+
+
+class _EvictingOnce:
+    """A scripted server on a real socket: closes its first connection to make room (telling the
+    client to retry, as ChannelServer does), and acknowledges the next one's handshake."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        for _ in range(2):
+            sock, _ = self.listener.accept()
+            self.accepted += 1
+            conn = FramedConnection(sock, SECRET, os.urandom(NONCE_BYTES), is_server=True)
+            conn.send_nonce()
+            assert conn.recv(timeout=5) == HANDSHAKE
+            conn.send(RETRY if self.accepted == 1 else HANDSHAKE)
+            if self.accepted == 1:
+                conn.close()
+            else:
+                self.last = conn
+
+
+def test_a_client_told_to_retry_connects_again_within_its_timeout() -> None:
+    server = _EvictingOnce()
+    try:
+        conn = connect(server.address, SECRET, timeout=5)
+        server.thread.join(5)
+        assert server.accepted == 2
+        conn.send({"after": "retry"})
+        assert server.last.recv(timeout=5) == {"after": "retry"}
+        conn.close()
+        server.last.close()
+    finally:
+        server.listener.close()
 
 
 _SERVER_OUT_OF_FDS = textwrap.dedent(
