@@ -11,7 +11,9 @@ On a local path (no scheme, or ``file:``) :class:`ParamsReader` first refuses, w
 (root excepted) or is writable by group or others: such a model may have been planted or altered
 by someone else. ``trusted=True`` (``TorchModel.load(path, trusted=True)``) or the Spark conf
 ``spark.sparkdl.ml.trustSavedModels=true`` (which also reaches stages inside a
-``PipelineModel``) skips that check. Other filesystems are not checked.
+``PipelineModel``) skips that check. Other filesystems are not checked, and a warning says so:
+among them a path without a scheme where ``fs.defaultFS`` is not the local disk (YARN's HDFS),
+which Spark reads there, not from the driver's disk.
 
 From a Spark Connect client (pyspark >= 4) the same files are written and read through the
 session's DataFrames (there is no SparkContext), so a model saved from a classic session loads
@@ -21,6 +23,7 @@ machine: a path the client does not see (the server's own disk) is not checked.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from collections.abc import Mapping, Sequence
@@ -32,6 +35,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, 
 
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
+from sparkdl._internal.fs.storage import redact
 from sparkdl._internal.spark import confs, spark_api
 
 if TYPE_CHECKING:
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["TRUST_CONF", "ParamsReader", "ParamsWriter", "Persistable", "check_connect_client"]
 
 TRUST_CONF = confs.TRUST_SAVED_MODELS.name
+log = logging.getLogger(__name__)
 _P = TypeVar("_P", bound="Persistable")
 
 # Saved blobs are cut into Parquet rows of this size.
@@ -171,7 +176,7 @@ class ParamsReader(MLReader[Any]):
         session = self.sparkSession
         check_connect_client(session, f"loading a {self.cls.__name__}")
         if not self.trusted and str(session.conf.get(TRUST_CONF, "false")).lower() != "true":
-            check_trusted_files(path, self.cls.__name__)
+            check_trusted_files(path, self.cls.__name__, default_fs=_default_fs(session))
         metadata = DefaultParamsReader.loadMetadata(path, _metadata_target(session))
         saved = metadata.get("sparkdl") or {}
         expected = f"{self.cls.__module__}.{self.cls.__name__}"
@@ -216,19 +221,36 @@ def _read_blobs(spark: SparkSession, path: str, names: Sequence[str]) -> dict[st
     return {name: b"".join(data for _, data in sorted(parts)) for name, parts in pieces.items()}
 
 
-def check_trusted_files(path: str, what: str) -> None:
+def _default_fs(session: Any) -> str | None:
+    try:
+        return spark_api.of(session).default_fs()
+    except Exception:  # a session that cannot say: a path without a scheme is taken as local
+        return None
+
+
+def check_trusted_files(path: str, what: str, *, default_fs: str | None = None) -> None:
     """Refuses (ConfigError) a saved local ``path`` that another user could have written.
 
     Every directory and file under ``path`` (symlinks followed) must belong to this user or to
-    root and be writable by neither group nor others. URLs of other filesystems pass unchecked.
+    root and be writable by neither group nor others. A path on another store (a URL, or a path
+    without a scheme where Spark's ``fs.defaultFS`` is not the local disk, as on YARN) is not
+    checked, and a warning says so: the local file of the same name, if any, is not the one Spark
+    reads.
     """
     parts = urlsplit(path)
+    default_scheme = urlsplit(default_fs or "").scheme
     if parts.scheme == "file":
         local = parts.path
-    elif len(parts.scheme) <= 1 and os.path.lexists(path):  # a local path (or a Windows drive)
+    elif len(parts.scheme) <= 1 and default_scheme in ("", "file") and os.path.lexists(path):  # local (or a drive)
         local = path
     else:
-        return  # another filesystem (or a path on Spark's default filesystem, not this host's)
+        store = path if len(parts.scheme) > 1 else f"{path} on {redact(default_fs or '')}"
+        log.warning(
+            "sparkdl: the %s saved at %s was not checked for files other users could have written: sparkdl "
+            "checks local paths only, and loading it runs code from its files. Load models only from storage "
+            "where only you (and those you trust) can write", what, redact(store) if len(parts.scheme) > 1 else store,
+        )
+        return
     me = os.geteuid()
     seen: set[tuple[int, int]] = set()
     stack = [os.path.abspath(local)]
