@@ -28,6 +28,8 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.data.cache import hold, release
+from sparkdl._internal.fs.storage import redact
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -145,8 +147,10 @@ class SparkDatasetConverter:
         return _tf_dataset(self, options, prefetch)
 
     def delete(self) -> None:
-        """Deletes the converter's files (``cache_dir_url``)."""
-        _delete(self.cache_dir_url)
+        """Deletes the converter's files (``cache_dir_url``), unless another process that made the
+        same converter (the same DataFrame writes to the same place) still reads them: that one's
+        delete, or its exit, deletes them."""
+        _let_go(self.cache_dir_url)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"cache_dir_url": self.cache_dir_url, "file_urls": self.file_urls, "dataset_size": self.dataset_size,
@@ -271,7 +275,8 @@ def make_spark_converter(
     root = ds.url.rstrip("/")
     converter = SparkDatasetConverter(ds.url, [f"{root}/{f.path}" for f in ds.manifest.files], ds.num_rows)
     converter._dataset = ds
-    _DELETE_AT_EXIT.add(ds.url)
+    if ds.url not in _HELD:
+        _HELD[ds.url] = hold(ds.url)
     return converter
 
 
@@ -357,14 +362,26 @@ def _delete(url: str) -> None:
         fs.delete_dir(root)
 
 
-_DELETE_AT_EXIT: set[str] = set()
+# The entries this process made a converter of, and its mark on each (sparkdl._internal.data.cache.hold).
+_HELD: dict[str, str] = {}
+
+
+def _let_go(url: str) -> None:
+    """Deletes ``url`` unless another process holds it; this process's hold ends either way."""
+    mark = _HELD.pop(url, None)
+    others = release(url, mark) if mark is not None else release(url, "")
+    if others:
+        log.info("sparkdl: the converter's files at %s are kept: still read by %s", redact(url), ", ".join(others))
+        return
+    _delete(url)
 
 
 @atexit.register
 def _delete_at_exit() -> None:
-    # Best effort, as Petastorm's: the files of every converter this process made.
-    for url in sorted(_DELETE_AT_EXIT):
+    # Best effort, as Petastorm's: the files of every converter this process made, unless
+    # another process made the same converter (the cache is shared) and still reads them.
+    for url in sorted(_HELD):
         try:
-            _delete(url)
+            _let_go(url)
         except Exception as exc:  # at exit, nothing is left to handle it
-            log.warning("sparkdl: could not delete the converter's files at %s: %s", url, exc)
+            log.warning("sparkdl: could not delete the converter's files at %s: %s", redact(url), exc)

@@ -49,6 +49,24 @@ def stat_fields(pid: int) -> list[bytes] | None:
         return None
 
 
+def started_at(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (tells a reused pid apart), or None once it has ended."""
+    fields = stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
+
+
+def still_running(pid: int, started: int | None) -> bool:
+    """Whether the process ``pid`` that started at ``started`` (see :func:`started_at`; None: any)
+    runs on this host; a process of another user counts too."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return started is None or started_at(pid) == started
+
+
 def parent_of(pid: int) -> int | None:
     """The parent of ``pid``, or None once it has ended."""
     fields = stat_fields(pid)

@@ -9,6 +9,7 @@ is what a later write compares.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import posixpath
@@ -169,3 +170,49 @@ def _check_shared(spark: SparkSession, cache_url: str, setting: str = CACHE_DIR_
             "that the driver and every executor reach (a shared mount, hdfs://, s3://...), or pass "
             "write_dataset a path on such storage"
         )
+
+
+# -- who reads an entry: a file per process, so that one leaving deletes nothing another reads ------
+
+_HOLDERS = "_holders"  # beside the Parquet files; readers go by the manifest, never list it
+
+
+def hold(url: str) -> str:
+    """Marks this process as a reader of the cache entry ``url``; returns the mark's name, for :func:`release`."""
+    import os
+    import socket
+
+    from sparkdl._internal.common.proctree import started_at
+
+    fs, root = filesystem(url)
+    mark = f"{socket.gethostname()}-{os.getpid()}-{started_at(os.getpid()) or 0}"
+    make_dirs(fs, posixpath.join(root, _HOLDERS))
+    with fs.open_output_stream(posixpath.join(root, _HOLDERS, mark)):
+        pass
+    return mark
+
+
+def release(url: str, mark: str) -> list[str]:
+    """Takes this process's ``mark`` off the entry ``url``; returns the other holders that may still
+    read it: processes alive on this host, and every holder on another (which cannot be checked
+    from here). Marks of processes gone from this host are removed."""
+    import socket
+
+    import pyarrow.fs as pafs
+
+    from sparkdl._internal.common.proctree import still_running
+
+    fs, root = filesystem(url)
+    base = posixpath.join(root, _HOLDERS)
+    here = socket.gethostname()
+    others = []
+    for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
+        name = posixpath.basename(info.path)
+        host, pid, started = ([*name.rsplit("-", 2), "", ""])[:3]
+        gone = host == here and pid.isdigit() and started.isdigit() and not still_running(int(pid), int(started) or None)
+        if name == mark or gone:
+            with contextlib.suppress(FileNotFoundError):
+                fs.delete_file(info.path)
+        else:
+            others.append(name)
+    return sorted(others)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdl._internal.common.errors import SparkDLError
+from sparkdl._internal.common.proctree import started_at, still_running
 from sparkdl._internal.fs.storage import filesystem, make_dirs, redact
 
 RUN_FILE = ".sparkdl-run.json"
@@ -128,25 +129,6 @@ def check(url: str, writer: Writer) -> None:
 # -- the run's lease, held by the driver ----------------------------------------------------------
 
 
-def _process_alive(pid: int, started: float | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return started is None or _process_start(pid) == started
-
-
-def _process_start(pid: int) -> float | None:
-    """The start time of ``pid`` in clock ticks since boot (tells a reused pid apart)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return float(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 class RunLease:
     """The driver's claim on a checkpoint directory for the whole run; a context manager."""
 
@@ -161,11 +143,11 @@ class RunLease:
         self._fs, root = filesystem(url)
         self._path = posixpath.join(root, RUN_FILE)
         self._me = {"run": run_id, "host": socket.gethostname(), "pid": os.getpid(),
-                    "pid_started": _process_start(os.getpid()), "lease_s": lease_s}
+                    "pid_started": started_at(os.getpid()), "lease_s": lease_s}
 
     def _holder_alive(self, found: dict[str, Any]) -> bool:
         if found.get("host") == self._me["host"] and isinstance(found.get("pid"), int):
-            return _process_alive(found["pid"], found.get("pid_started"))
+            return still_running(found["pid"], found.get("pid_started"))
         # Another host: alive while its counter moves. Clocks of two hosts are never compared.
         deadline = time.monotonic() + float(found.get("lease_s") or self.lease_s)
         while time.monotonic() < deadline:
