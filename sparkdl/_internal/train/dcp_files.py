@@ -16,10 +16,13 @@ needs with ``no_dist=True``: resharding 4 ranks' shards onto 2 is DCP's planner,
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import posixpath
 import re
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from sparkdl._internal.common.errors import SparkDLError
@@ -56,6 +59,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         if found is None:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
         return found
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """DCP run on this rank alone, as sparkdl means it: without DCP's warning that it assumes so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def metadata_name(rank: int) -> str:

@@ -215,8 +215,9 @@ def save(store: CheckpointStore, obj: Any, *, weights_only: bool = True) -> int:
     # Each rank alone: no plan of DCP's travels between ranks (as a pickle). What each wrote
     # reaches rank 0 as JSON, once all are done (a rank that failed says so instead).
     try:
-        dcp.save(shards, storage_writer=dcp_files.writer(url, store.sync, _rank()), no_dist=True,
-                 use_collectives=False)
+        with dcp_files.quiet():
+            dcp.save(shards, storage_writer=dcp_files.writer(url, store.sync, _rank()), no_dist=True,
+                     use_collectives=False)
         wrote: dict[str, Any] = dcp_files.describe_rank(url, _rank())
     except Exception as exc:
         wrote = {"error": f"{type(exc).__name__}: {exc}"}
@@ -276,7 +277,8 @@ def load(store: CheckpointStore, seq: int, into: Any, *, weights_only: bool = Tr
         expected = frozenset(wanted)
         parts = [dcp_files.read_rank_metadata(url, r, expected) for r in range(_saved_ranks(record, url))]
         merged = dcp_files.merge(parts, expected, redact(url))
-        dcp.load(request, storage_reader=dcp_files.reader(url, merged), no_dist=True)
+        with dcp_files.quiet():
+            dcp.load(request, storage_reader=dcp_files.reader(url, merged), no_dist=True)
     return join(skeleton, request)
 
 

@@ -69,6 +69,12 @@ class CheckpointStore:
         self.writer = writer
         self.sync = sync
         self.finite_only = finite_only
+        # The data file :meth:`verify` just read and found good, for the :meth:`load` that follows
+        # (a restore verifies, then loads: one read and one checksum of a large file, not two).
+        self._verified: tuple[int, bytes] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_verified": None}
 
     def __repr__(self) -> str:
         return f"CheckpointStore({redact(self.url)!r}, keep={self.keep})"
@@ -143,6 +149,7 @@ class CheckpointStore:
         problem = records.data_problem(record, data)
         if problem is None and record.get("shards") is not None:
             problem = records.shards_problem(fs, root, record["shards"])
+        self._verified = (seq, data) if problem is None else None
         return problem
 
     def newest_good(self) -> tuple[int | None, list[tuple[int, str]]]:
@@ -296,13 +303,17 @@ class CheckpointStore:
                 return None
         fs, root = self._fs()
         name = records.data_name(seq)
-        with fs.open_input_file(posixpath.join(root, name)) as f:
-            data = f.read()
-        record = self._record(fs, root, seq)
-        # A checkpoint named by its number loads without a record (one an earlier sparkdl wrote),
-        # never with a record it does not match.
-        problem = record if isinstance(record, str) and "no commit record" not in record else (
-            records.data_problem(record, data) if isinstance(record, dict) else None)
+        verified, self._verified = self._verified, None
+        if verified is not None and verified[0] == seq:
+            data, problem = verified[1], None
+        else:
+            with fs.open_input_file(posixpath.join(root, name)) as f:
+                data = f.read()
+            record = self._record(fs, root, seq)
+            # A checkpoint named by its number loads without a record (one an earlier sparkdl
+            # wrote), never with a record it does not match.
+            problem = record if isinstance(record, str) and "no commit record" not in record else (
+                records.data_problem(record, data) if isinstance(record, dict) else None)
         if problem:
             raise SparkDLError(f"checkpoint {redact(self.url)}/{name} cannot be trusted: {problem}. "
                                "Load an older one (CheckpointStore.newest_good() finds the newest good one)")
