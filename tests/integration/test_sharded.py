@@ -173,22 +173,45 @@ def test_a_rank_dying_in_the_middle_of_a_sharded_save_leaves_the_previous_checkp
     assert [int(name.split("-")[1]) for name in dirs] == store.sequence_numbers()
 
 
-def test_planted_metadata_is_refused_without_running_it(spark, dataset, reference, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
-    opts = {"batch": 16, "epochs": 1, "save_every": 4}
+@pytest.fixture(scope="module")
+def one_epoch_saved(spark, dataset, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The checkpoints of one epoch of a real run, for the planting tests to copy and spoil."""
+    ckpt = tmp_path_factory.mktemp("one-epoch") / "ckpt"
+    sparkdl.run(train, dataset, {"batch": 16, "epochs": 1, "save_every": 4}, num_workers=2, config=CFG,
+                checkpoint_dir=str(ckpt))
+    return ckpt
+
+
+class _Payload:
+    """What a planter hides in a pickle: unpickling it touches ``marker``, i.e. runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _planted(one_epoch_saved: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of the saved checkpoints to plant in: (the directory, its newest shards, the marker)."""
+    import shutil
+
     ckpt = tmp_path / "ckpt"
-    sparkdl.run(train, dataset, opts, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
-    latest = max(p for p in ckpt.iterdir() if p.is_dir())
-    marker = tmp_path / "ran"
+    shutil.copytree(one_epoch_saved, ckpt)
+    return ckpt, max(p for p in ckpt.iterdir() if p.is_dir()), tmp_path / "ran"
 
-    class Payload:
-        def __reduce__(self) -> tuple[Any, ...]:
-            return (os.system, (f"touch {marker}",))
 
-    (latest / "__1.metadata").write_bytes(pickle.dumps(Payload()))
+def _resume_refused(dataset: sparkdl.Dataset, ckpt: Path, match: str) -> None:
+    with pytest.raises(sparkdl.RunFailedError, match=match):
+        sparkdl.run(train, dataset, {"batch": 16, "epochs": 2, "save_every": 4}, num_workers=2, max_attempts=1,
+                    config=CFG, checkpoint_dir=str(ckpt))
+
+
+def test_planted_metadata_is_refused_without_running_it(spark, dataset, one_epoch_saved, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    ckpt, latest, marker = _planted(one_epoch_saved, tmp_path)
+    (latest / "__1.metadata").write_bytes(pickle.dumps(_Payload(marker)))
     _forge_record(ckpt, latest.name)  # the planter rewrites the commit record to match
-    with pytest.raises(sparkdl.RunFailedError, match=r"metadata.*holds what no checkpoint metadata holds"):
-        sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, max_attempts=1, config=CFG,
-                    checkpoint_dir=str(ckpt))
+    _resume_refused(dataset, ckpt, r"metadata.*holds what no checkpoint metadata holds")
     assert not marker.exists()
 
 
@@ -205,42 +228,30 @@ def _forge_record(ckpt: Path, shard_dir: str) -> None:
     path.write_text(json.dumps(record))
 
 
-def test_planted_byte_entries_in_real_metadata_are_refused_without_running_them(spark, dataset, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+def test_planted_byte_entries_in_real_metadata_are_refused_without_running_them(spark, dataset, one_epoch_saved, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
     """DCP reads an entry its metadata marks as bytes with torch.load(weights_only=False): the
     planter marks a tensor that every restore asks for as bytes, stored in a shard file of its own."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    opts = {"batch": 16, "epochs": 1, "save_every": 4}
-    ckpt = tmp_path / "ckpt"
-    sparkdl.run(train, dataset, opts, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
-    latest = max(p for p in ckpt.iterdir() if p.is_dir())
-    marker = tmp_path / "ran"
-
-    class Payload:
-        def __reduce__(self) -> tuple[Any, ...]:
-            return (os.system, (f"touch {marker}",))
-
+    ckpt, latest, marker = _planted(one_epoch_saved, tmp_path)
     metadata = pickle.loads((latest / "__0.metadata").read_bytes())  # sparkdl's own, read by the test
     key = sorted(metadata.state_dict_metadata)[0]  # e.g. "model/0.weight": a key every restore requests
-    payload = pickle.dumps(Payload())
+    payload = pickle.dumps(_Payload(marker))
     (latest / "__0_9.distcp").write_bytes(payload)
     metadata.state_dict_metadata[key] = BytesStorageMetadata()
     metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn != key}
     metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__0_9.distcp", 0, len(payload))
     (latest / "__0.metadata").write_bytes(pickle.dumps(metadata))
     _forge_record(ckpt, latest.name)
-    with pytest.raises(sparkdl.RunFailedError, match=rf"not one sparkdl's save writes: entry '{key}' is a BytesStorageMetadata"):
-        sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, max_attempts=1, config=CFG,
-                    checkpoint_dir=str(ckpt))
+    _resume_refused(dataset, ckpt, rf"not one sparkdl's save writes: entry '{key}' is a BytesStorageMetadata")
     assert not marker.exists(), "restoring ran code from the planted shard file"
 
 
-def test_a_commit_whose_shards_are_missing_or_torn_is_skipped_for_the_one_before(spark, dataset, reference, tmp_path, capfd, no_leaks) -> None:  # type: ignore[no-untyped-def]
+def test_a_commit_whose_shards_are_missing_or_torn_is_skipped_for_the_one_before(spark, dataset, reference, one_epoch_saved, tmp_path, capfd, no_leaks) -> None:  # type: ignore[no-untyped-def]
     # One epoch saves after steps 4, 8 and 12 and at its end (15): checkpoints 2, 3 and 4 are kept.
     opts = {"batch": 16, "epochs": 1, "save_every": 4}
-    ckpt = tmp_path / "ckpt"
-    sparkdl.run(train, dataset, opts, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
+    ckpt = _planted(one_epoch_saved, tmp_path)[0]
     store = sparkdl.CheckpointStore(str(ckpt))
     assert store.sequence_numbers() == [2, 3, 4]
     dirs = sorted(p for p in ckpt.iterdir() if p.is_dir())
