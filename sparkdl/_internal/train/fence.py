@@ -98,27 +98,35 @@ def _fenced_by(found: dict[str, Any] | None, writer: Writer) -> str | None:
     return None
 
 
+def _fence(fs: Any, root: str, writer: Writer) -> dict[str, Any] | None:
+    """The attempt fence as it bears on ``writer``: None where another run's fence is left from
+    before the run the lease names now, ``writer``'s (or where no run holds a lease)."""
+    found = _read(fs, posixpath.join(root, ATTEMPT_FILE))
+    if found is not None and found.get("run") != writer.run:
+        lease = _read(fs, posixpath.join(root, RUN_FILE))
+        if lease is None or lease.get("run") == writer.run:
+            return None
+    return found
+
+
 def claim(url: str, writer: Writer) -> None:
     """Marks ``writer``'s attempt as the directory's newest; StaleWriterError when a newer one
     already claimed it, or when the run's lease names another run."""
     fs, root = filesystem(url)
     make_dirs(fs, root)
-    path = posixpath.join(root, ATTEMPT_FILE)
-    found = _read(fs, path)
-    lease = _read(fs, posixpath.join(root, RUN_FILE))
-    if found is not None and found.get("run") != writer.run and (lease is None or lease.get("run") == writer.run):
-        found = None  # the run that held the directory before: the lease says it is this run's now
+    found = _fence(fs, root, writer)
     why = _fenced_by(found, writer)
     if why:
         raise StaleWriterError(f"checkpoint directory {redact(url)}: {why}")
     if found is None or found.get("attempt") != writer.attempt or found.get("run") != writer.run:
-        _write(fs, path, {"run": writer.run, "attempt": writer.attempt})
+        _write(fs, posixpath.join(root, ATTEMPT_FILE), {"run": writer.run, "attempt": writer.attempt})
 
 
 def check(url: str, writer: Writer) -> None:
-    """Raises StaleWriterError unless ``writer`` still owns the directory (right before a commit)."""
+    """Raises StaleWriterError unless ``writer`` still owns the directory (right before a commit);
+    claims it when nobody does."""
     fs, root = filesystem(url)
-    found = _read(fs, posixpath.join(root, ATTEMPT_FILE))
+    found = _fence(fs, root, writer)
     why = _fenced_by(found, writer)
     if why:
         raise StaleWriterError(f"checkpoint directory {redact(url)}: {why}")

@@ -231,3 +231,17 @@ def test_a_stale_attempt_cannot_commit_and_a_writer_removes_only_what_its_run_le
     new.save({"step": 2})
     left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(("ckpt-", ".sparkdl-")))
     assert left == [f".tmp-ckpt-00000002-bb22-0-{'1' * 32}", "shards-00000002-bb22-0-abcd"]
+
+
+def test_a_run_writes_where_an_earlier_run_left_its_fence_but_not_where_another_run_holds_the_lease(tmp_path: Path) -> None:
+    import json
+
+    sparkdl.CheckpointStore(tmp_path, writer=Writer("aa11", 3)).save({"step": 1})  # an earlier run, ended
+    # A new run's rank 0 saves without restoring first (its own loop): the old fence is no bar.
+    assert sparkdl.CheckpointStore(tmp_path, writer=Writer("cc33", 0)).save({"step": 2}) == 2
+    # Run dd44 took the directory over (its driver holds the lease): cc33 is fenced off now.
+    (tmp_path / ".sparkdl-run.json").write_text(json.dumps({"run": "dd44", "host": "h", "pid": 1, "beat": 1}))
+    sparkdl.CheckpointStore(tmp_path, writer=Writer("dd44", 0)).newest_good()
+    with pytest.raises(sparkdl.SparkDLError, match=r"run dd44 has taken this checkpoint directory over from run cc33"):
+        sparkdl.CheckpointStore(tmp_path, writer=Writer("cc33", 0)).save({"step": 3})
+    assert sparkdl.CheckpointStore(tmp_path).sequence_numbers() == [1, 2]
