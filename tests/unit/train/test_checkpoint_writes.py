@@ -66,3 +66,47 @@ def test_sigkill_while_the_file_is_being_written_leaves_the_previous_checkpoint(
         for path in ckpt.iterdir():
             path.unlink()
     pytest.fail("the write always finished before it could be killed; raise the sizes")
+
+
+_STALE = """
+import sys, time
+from sparkdl._internal.train.fence import StaleWriterError, Writer
+from sparkdl._internal.train.store import CheckpointStore
+store = CheckpointStore(sys.argv[1], keep=100, writer=Writer("e5e5", 0))
+i = 0
+try:
+    while True:
+        i += 1
+        store.save({"by": "attempt 0", "i": i})
+        if i == 3:
+            print("saving", flush=True)
+except StaleWriterError as exc:
+    print("refused after", i, exc, flush=True)
+"""
+
+
+def test_an_earlier_attempt_still_saving_is_fenced_off_once_the_next_attempt_claims_the_directory(tmp_path) -> None:
+    """Rank 0 of attempt 0 on a cut-off executor goes on saving, as fast as it can, in a process
+    of its own, while attempt 1 restores and saves: from attempt 1's claim on, attempt 0's
+    commits are refused, and whatever raced the claim never passes for attempt 1's state."""
+    ckpt = tmp_path / "ckpt"
+    stale = subprocess.Popen([sys.executable, "-c", _STALE, str(ckpt)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert stale.stdout is not None and stale.stdout.readline().strip() == "saving"
+        new = sparkdl.CheckpointStore(str(ckpt), keep=100, writer=Writer("e5e5", 1))
+        restored, _ = new.newest_good()  # the claim
+        assert restored is not None and new.load(restored)["by"] == "attempt 0"
+        out, _ = stale.communicate(timeout=60)
+        assert out.startswith("refused after") and "attempt 0 of run e5e5 is stale" in out, out
+        mine = [new.save({"by": "attempt 1", "k": k}) for k in range(3)]
+    finally:
+        stale.kill()
+        stale.wait(timeout=30)
+    # Attempt 0 committed nothing after attempt 1's first save; everything attempt 1 wrote is good
+    # and newest; a commit of attempt 0 that raced the claim is either whole or skipped as torn.
+    good, skipped = new.newest_good()
+    assert good == mine[-1] and not skipped
+    for seq in new.sequence_numbers():
+        if new.verify(seq) is None:
+            who = new.load(seq)["by"]
+            assert who == ("attempt 1" if seq >= mine[0] else "attempt 0"), (seq, who)
