@@ -10,6 +10,9 @@ samples that process tree's memory (RSS of the process and its workers, summed, 
 - **sparkdl, user's function, threads / processes**: ``ds.loader(..., decode={"content": fn})``
   over the same images written by Spark's ``binaryFile`` source through ``write_dataset``, with
   the same function, one decode worker per core.
+- **sparkdl's converter, TransformSpec**: ``sparkdl.compat.petastorm``'s ``make_torch_dataloader``
+  over the same files with the same ``TransformSpec`` as Petastorm's way below (the user's
+  function over each pandas batch): sparkdl runs it one row at a time on decode processes.
 - **sparkdl, ImageDecoder**: sparkdl's own decoder (the same crop and flip, decoded at a smaller
   scale in the DCT domain when the crop allows, uint8 throughout).
 - **sparkdl, DALI** (when NVIDIA DALI is installed: ``SPARKDL_WITH_DALI=1 bash tools/bootstrap.sh``):
@@ -51,7 +54,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-WAYS = ("dataloader", "sparkdl-user-threads", "sparkdl-user-processes", "sparkdl-imagedecoder", "sparkdl-dali")
+WAYS = ("dataloader", "sparkdl-user-threads", "sparkdl-user-processes", "sparkdl-transformspec", "sparkdl-imagedecoder",
+        "sparkdl-dali")
 
 
 def user_decode(data: bytes, rng: Any) -> Any:
@@ -138,8 +142,38 @@ def way_sparkdl(dataset: str, batch: int, epochs: int, decoder: str, kind: str) 
         loader.close()
 
 
-def way_petastorm(images: str, batch: int, epochs: int) -> dict[str, float]:
+def _spec(transform_spec: Any) -> Any:
+    """The tutorial's TransformSpec: the user's function over each pandas batch's photos."""
     import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def transform(pdf: Any) -> Any:
+        pdf["content"] = [user_decode(bytes(v), rng) for v in pdf["content"]]
+        return pdf
+
+    return transform_spec(transform, edit_fields=[("content", np.uint8, (3, 224, 224), False)])
+
+
+def way_sparkdl_spec(dataset: str, batch: int, epochs: int) -> dict[str, float]:
+    import sparkdl
+    from sparkdl.compat.petastorm import SparkDatasetConverter, TransformSpec
+
+    ds = sparkdl.Dataset(dataset)
+    converter = SparkDatasetConverter(ds.url, [], ds.num_rows)
+    n = len(converter)
+    with converter.make_torch_dataloader(batch_size=batch, num_epochs=None, transform_spec=_spec(TransformSpec),
+                                         schema_fields=["content"], cur_shard=0, shard_count=1) as loader:
+        it = iter(loader)
+
+        def epoch(e: int) -> Any:
+            for _ in range(math.ceil(n / batch)):
+                yield next(it)["content"]
+
+        return _time(epoch, epochs)
+
+
+def way_petastorm(images: str, batch: int, epochs: int) -> dict[str, float]:
     from petastorm import TransformSpec
     from petastorm.spark import SparkDatasetConverter, make_spark_converter
     from pyspark.sql import SparkSession
@@ -150,13 +184,7 @@ def way_petastorm(images: str, batch: int, epochs: int) -> dict[str, float]:
     spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, "file://" + cache)
     df = spark.read.format("binaryFile").load(images).select("content")
     converter = make_spark_converter(df)
-    rng = np.random.default_rng(0)
-
-    def transform(pdf: Any) -> Any:
-        pdf["content"] = [user_decode(bytes(v), rng) for v in pdf["content"]]
-        return pdf
-
-    spec = TransformSpec(transform, edit_fields=[("content", np.uint8, (3, 224, 224), False)])
+    spec = _spec(TransformSpec)
     n = len(converter)
     try:
         with converter.make_torch_dataloader(batch_size=batch, num_epochs=None, transform_spec=spec,
@@ -204,6 +232,8 @@ def child(argv: list[str]) -> None:
         out = way_petastorm(where, batch, epochs)
     elif way == "ray":
         out = way_ray(where, batch, epochs)
+    elif way == "sparkdl-transformspec":
+        out = way_sparkdl_spec(where, batch, epochs)
     else:
         decoder = way.rsplit("-", 1)[1] if way.endswith(("imagedecoder", "dali")) else "user"
         out = way_sparkdl(where, batch, epochs, decoder, "processes" if way.endswith("processes") else "threads")

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.data.cache import hold, release
+from sparkdl._internal.data.row_transform import RowTransform, TransformSpec, from_petastorm
+from sparkdl._internal.data.samples import ROW
 from sparkdl._internal.fs.storage import redact
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from sparkdl._internal.data.dataset import Dataset
     from sparkdl._internal.data.loader import Loader
 
-__all__ = ["SparkDatasetConverter", "make_spark_converter"]
+__all__ = ["SparkDatasetConverter", "TransformSpec", "make_spark_converter"]
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,6 @@ _INSTEAD = {
     "predicate": "filter the DataFrame before make_spark_converter (df.filter(...))",
     "filters": "filter the DataFrame before make_spark_converter (df.filter(...))",
     "rowgroup_selector": "filter the DataFrame before make_spark_converter (df.filter(...))",
-    "transform_spec": "transform each batch in the training loop, or use sparkdl.Dataset(url).loader(transform=...) "
-                      "on the converter's cache_dir_url",
     "shuffle_row_drop_partitions": "leave it at 1",
     "filesystem": "pass storage_options instead (credentials, endpoints)",
 }
@@ -123,8 +123,11 @@ class SparkDatasetConverter:
                 Petastorm), ``shuffle_row_groups`` (True), ``shuffle_rows``, ``seed`` (default 0:
                 the same order in every run), ``schema_fields`` (column names, or fields with a
                 ``name``), ``storage_options``; keywords that tune Petastorm's reader pool or
-                cache have no effect; ``predicate``, ``filters``, ``rowgroup_selector``,
-                ``transform_spec`` and the rest are refused with what to do instead.
+                cache have no effect; ``transform_spec``: a :class:`TransformSpec` (or Petastorm's),
+                whose ``func`` runs on decode processes one row at a time, with the row's own
+                random draws; ``on_bad_sample`` (sparkdl's: ``"raise"`` or ``"skip"`` a row on which
+                ``func`` raises); ``predicate``, ``filters``, ``rowgroup_selector`` and the rest are
+                refused with what to do instead.
 
         Raises:
             ConfigError: (a ``ValueError``) a keyword without an equivalent, or bad shards.
@@ -315,6 +318,7 @@ def _reader_options(batch_size: int, num_epochs: int | None, workers_count: int 
             raise ConfigError(f"make_torch_dataloader({name}=...) has no equivalent in sparkdl's converter: {_INSTEAD[name]}")
         if name not in _INSTEAD and name not in _NO_EFFECT and name not in (
             "cur_shard", "shard_count", "shuffle_row_groups", "shuffle_rows", "seed", "schema_fields", "storage_options",
+            "transform_spec", "on_bad_sample",
         ):
             raise ConfigError(
                 f"make_torch_dataloader({name}=...) is not a keyword of Petastorm's make_batch_reader that sparkdl's "
@@ -324,7 +328,13 @@ def _reader_options(batch_size: int, num_epochs: int | None, workers_count: int 
     shuffle = bool(kwargs.get("shuffle_row_groups", True) or kwargs.get("shuffle_rows") or capacity)
     fields = kwargs.get("schema_fields")
     seed = kwargs.get("seed")
+    spec = kwargs.get("transform_spec")
+    # A TransformSpec's func runs on decode processes, one row at a time, its draws the row's
+    # (sparkdl._internal.data.row_transform); its fields are the batch.
+    decoding = {"decode": {ROW: RowTransform(from_petastorm(spec))}, "decode_in": "processes",
+                "on_bad_sample": kwargs.get("on_bad_sample", "raise")} if spec is not None else {}
     return {
+        **decoding,
         "batch_size": batch_size,
         "num_epochs": num_epochs,
         "storage_options": kwargs.get("storage_options"),

@@ -21,7 +21,7 @@ PUBLIC = {
     "sparkdl.data": {"Dataset", "write_dataset"},
     "sparkdl.ml": {"TorchEstimator", "TorchModel"},
     "sparkdl.compat": {"GpuConfigError", "HorovodRunner", "MirroredStrategyRunner", "TorchDistributor"},
-    "sparkdl.compat.petastorm": {"SparkDatasetConverter", "make_spark_converter"},
+    "sparkdl.compat.petastorm": {"SparkDatasetConverter", "TransformSpec", "make_spark_converter"},
 }
 # Documented because the public API hands them out (ds.loader(), converter.make_torch_dataloader()),
 # not to be imported: their module paths may change.

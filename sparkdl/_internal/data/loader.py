@@ -70,7 +70,7 @@ from sparkdl._internal.data.plan import EpochPlan
 from sparkdl._internal.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
 from sparkdl._internal.data.read import LENGTHS_SUFFIX, Batch, BatchMaker
 from sparkdl._internal.data.reshard import STATE_VERSION, Resume, epoch_batches, restore
-from sparkdl._internal.data.samples import SampleFn, SampleMap, check_decode, default_workers
+from sparkdl._internal.data.samples import ROW, SampleFn, SampleMap, check_decode, default_workers
 from sparkdl._internal.data.selection import place, select_columns
 from sparkdl._internal.data.spares import Spares
 
@@ -158,7 +158,7 @@ class Loader:
                 "comes from its row in the dataset, which Petastorm's reader does not tell)"
             )
         rank, world_size = _resolve_rank(rank, world_size)
-        selected = select_columns(dataset.manifest, columns, set(fns))
+        selected = select_columns(dataset.manifest, columns, set(fns) - {ROW})
         batched = [getattr(f, "device", None) for f in fns.values() if getattr(f, "batched", False)]
         if device is None and batched:
             device = batched[0]  # batches decoded on a device are for that device

@@ -45,6 +45,10 @@ from sparkdl._internal.common.errors import ConfigError, DatasetError
 log = logging.getLogger("sparkdl.data")
 
 SampleFn = Callable[[Any, np.random.Generator], Any]
+ROW = "*"
+"""``decode={ROW: fn}``: ``fn(row, rng)`` takes the whole row (a dict of its columns' values) and
+returns the batch's columns for it (a dict); the batch is then made of those columns alone
+(Petastorm's ``TransformSpec``, :mod:`sparkdl._internal.data.row_transform`)."""
 WORKER_KINDS = ("threads", "processes")
 ON_BAD = ("raise", "skip")
 _NAMING_COLUMNS = ("path", "origin", "filename", "file")
@@ -146,6 +150,8 @@ def _run(fns: Mapping[str, SampleFn], seed: int, epoch: int, work: Sequence[tupl
     for name, value, row in work:
         try:
             out.append(fns[name](value, sample_rng(seed, epoch, row)))
+        except ConfigError:
+            raise  # the function's settings are wrong (a declared field it did not return): no sample is
         except Exception as e:  # handed to the loader, which names the row
             out.append(_Failed(f"{type(e).__name__}: {e}"))
     return out
@@ -251,7 +257,7 @@ class SampleMap:
     def start(self, batch: dict[str, Any], rows: np.ndarray, epoch: int) -> Pending:
         """Sends the batch's samples to the workers; ``result()`` of what it returns waits for them."""
         cpu = [n for n in self.fns if n not in self._batched]
-        work = [(n, v, int(r)) for n in cpu for v, r in zip(batch[n], rows, strict=True)]
+        work = [(n, v, int(r)) for n in cpu for v, r in zip(_row_dicts(batch) if n == ROW else batch[n], rows, strict=True)]
         futures: list[cf.Future[list[Any]]] = []
         if work:
             pool = self._open()
@@ -310,6 +316,10 @@ class Pending:
         keep = [i for i in range(n) if i not in bad_rows]
         for i in sorted(bad_rows):
             owner.skipped.add(bad_rows[i])
+        if ROW in outputs:  # the row function's columns are the batch
+            done = outputs.pop(ROW)
+            rows_out = [done[i] for i in keep]
+            return {k: _stacked([_numeric(r[k]) for r in rows_out]) for k in (rows_out[0] if rows_out else {})}
         out = {k: v for k, v in batch.items()}
         for name, values in outputs.items():
             out[name] = _stacked([values[i] for i in keep])
@@ -325,7 +335,22 @@ class Pending:
             if isinstance(v, list) and i < len(v) and isinstance(v[i], str):
                 named = f", {c}={v[i]!r}"
                 break
-        return f"column {column!r}, row {row} ({self._owner.where(row)}{named}): {reason}"
+        what = "the row's transform (decode[ROW], a TransformSpec)" if column == ROW else f"column {column!r}"
+        return f"{what}, row {row} ({self._owner.where(row)}{named}): {reason}"
+
+
+def _numeric(value: Any) -> Any:
+    """Numbers as 0-d arrays (a batch of them stacks to a 1-D tensor); anything else as it is."""
+    return np.asarray(value) if isinstance(value, (int, float, bool, np.number, np.bool_)) else value
+
+
+def _row_dicts(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """The batch's rows, each a dict of its values: numbers and arrays as numpy, the rest as read."""
+    import torch
+
+    columns = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    n = len(next(iter(columns.values()))) if columns else 0
+    return [{k: v[i] for k, v in columns.items()} for i in range(n)]
 
 
 def _stacked(values: list[Any]) -> Any:
@@ -363,5 +388,5 @@ def _without(batch: dict[str, Any], keep: list[int], done: set[str]) -> dict[str
     return out
 
 
-__all__ = ["ON_BAD", "WORKER_KINDS", "Pending", "SampleFn", "SampleMap", "Skipped", "check_decode",
+__all__ = ["ON_BAD", "ROW", "WORKER_KINDS", "Pending", "SampleFn", "SampleMap", "Skipped", "check_decode",
            "default_workers", "sample_rng"]

@@ -1,0 +1,164 @@
+"""Petastorm's ``TransformSpec``, run by sparkdl's decode workers one row at a time.
+
+Petastorm's converter calls a ``TransformSpec``'s ``func`` on each batch of rows, as a pandas
+DataFrame, in its reader's worker pool; the image tutorials decode and augment photos there
+(``edit_fields=[("features", np.float32, (3, 224, 224), False)]``). sparkdl calls the same
+``func`` on a DataFrame of one row, on the loader's decode workers (processes by default, since
+such functions are pure Python and draw from the global generators), beside the reader:
+
+- **The random draws are the row's.** Before each call the worker seeds Python's ``random``,
+  numpy's global generator and torch's from the row's own generator (``[seed, epoch, row]``),
+  so a row gets the same augmentation with any number of workers, on any rank, after a resume and
+  on every rerun; Petastorm's draws depend on which worker took which batch.
+- **Declared fields are checked.** A field of ``edit_fields`` whose value ``func`` returned with
+  another dtype or shape is a :class:`~sparkdl.ConfigError` naming the field, the declared and
+  the returned (in Petastorm, a failure deep in its workers). ``None`` in a declared shape matches
+  any length. A row on which ``func`` raises is a bad sample (``on_bad_sample``).
+- **The output is Petastorm's:** the fields ``func`` returned, less ``removed_fields``, or
+  ``selected_fields`` in their order; numbers of a batch as 1-D tensors.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sparkdl._internal.common.errors import ConfigError
+
+# A field as Petastorm's edit_fields give it: (name, numpy dtype, shape, nullable).
+Field = tuple[str, Any, tuple[Any, ...], bool]
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """Petastorm's ``TransformSpec`` (0.12, 0.13): what the converter's loaders do to each row.
+
+    Args:
+        func: takes a pandas DataFrame of rows and returns one (the same rows, fields changed or
+            added); None leaves the rows as they are.
+        edit_fields: the fields ``func`` adds or changes, each ``(name, numpy dtype, shape,
+            nullable)`` (or a Petastorm ``UnischemaField``); their values are checked.
+        removed_fields: names of fields to leave out of the output.
+        selected_fields: names of the fields of the output, in this order (instead of
+            ``removed_fields``).
+
+    Example::
+
+        def decode(pdf):
+            pdf["features"] = pdf["content"].map(lambda b: np.asarray(Image.open(io.BytesIO(b)), np.float32))
+            return pdf[["features", "label"]]
+
+        spec = TransformSpec(decode, edit_fields=[("features", np.float32, (32, 32, 3), False)],
+                             selected_fields=["features", "label"])
+        with converter.make_torch_dataloader(transform_spec=spec) as loader: ...
+    """
+
+    func: Callable[[Any], Any] | None = None
+    edit_fields: Sequence[Any] | None = None
+    removed_fields: Sequence[str] | None = None
+    selected_fields: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.func is not None and not callable(self.func):
+            raise ConfigError(f"TransformSpec(func=...) must be callable (a pandas DataFrame in, one out); "
+                              f"got {type(self.func).__name__}")
+        if self.removed_fields and self.selected_fields:
+            raise ConfigError("TransformSpec: give removed_fields or selected_fields, not both")
+        fields(self)  # checked now, not in a worker
+
+
+def fields(spec: Any) -> tuple[Field, ...]:
+    """``spec``'s edit_fields as ``(name, dtype, shape, nullable)``; a ConfigError names a bad one."""
+    out = []
+    for f in getattr(spec, "edit_fields", None) or ():
+        if hasattr(f, "numpy_dtype"):  # Petastorm's UnischemaField
+            name, dtype, shape, nullable = f.name, f.numpy_dtype, f.shape, f.nullable
+        else:
+            try:
+                name, dtype, shape, nullable = f
+            except (TypeError, ValueError):
+                raise ConfigError(f"TransformSpec edit_fields: {f!r} is not (name, numpy dtype, shape, nullable)") from None
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            raise ConfigError(f"TransformSpec edit_fields: field {name!r} has dtype {dtype!r}, not a numpy dtype") from None
+        out.append((str(name), dtype, tuple(shape or ()), bool(nullable)))
+    return tuple(out)
+
+
+def from_petastorm(spec: Any) -> TransformSpec:
+    """A ``TransformSpec`` of sparkdl's, or of Petastorm's (or anything with its four attributes)."""
+    if isinstance(spec, TransformSpec):
+        return spec
+    if not all(hasattr(spec, a) for a in ("func", "edit_fields", "removed_fields", "selected_fields")):
+        raise ConfigError(f"transform_spec={spec!r}: give a TransformSpec (sparkdl.compat.petastorm or petastorm's)")
+    return TransformSpec(spec.func, list(spec.edit_fields or ()), list(spec.removed_fields or ()) or None,
+                         list(spec.selected_fields) if spec.selected_fields is not None else None)
+
+
+class RowTransform:
+    """The decode function of ``decode={ROW: ...}`` for a spec: one row in, its output fields out. Picklable."""
+
+    def __init__(self, spec: TransformSpec) -> None:
+        self.spec = spec
+        self.fields = fields(spec)
+
+    def __call__(self, row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+        import pandas as pd
+
+        _seed_globals(int(rng.integers(2**32)))
+        frame = pd.DataFrame({k: [v] for k, v in row.items()})
+        out = self.spec.func(frame) if self.spec.func is not None else frame
+        if not isinstance(out, pd.DataFrame) or len(out) != 1:
+            raise ConfigError(
+                f"TransformSpec(func={getattr(self.spec.func, '__name__', self.spec.func)!r}) must return a pandas "
+                f"DataFrame of the rows it was given; it returned {type(out).__name__}"
+                + (f" of {len(out)} rows for 1" if isinstance(out, pd.DataFrame) else "")
+            )
+        names = list(self.spec.selected_fields) if self.spec.selected_fields is not None else [
+            c for c in out.columns if c not in set(self.spec.removed_fields or ())]
+        missing = [n for n in names if n not in out.columns]
+        if missing:
+            raise ConfigError(f"TransformSpec selected_fields names {missing}, which func did not return; it "
+                              f"returned {list(out.columns)}")
+        result = {n: out[n].iloc[0] for n in names}
+        for name, dtype, shape, nullable in self.fields:
+            if name in result:
+                result[name] = _checked(name, result[name], dtype, shape, nullable)
+        return result
+
+
+def _checked(name: str, value: Any, dtype: np.dtype, shape: tuple[Any, ...], nullable: bool) -> Any:
+    if value is None:
+        if nullable:
+            return value
+        raise ConfigError(f"TransformSpec field {name!r} is declared not nullable, and func returned None for it")
+    if dtype.kind in "OSU":
+        return value
+    array = np.asarray(value)
+    if array.dtype != dtype:
+        raise ConfigError(f"TransformSpec field {name!r} is declared {dtype} {shape}; func returned {array.dtype} "
+                          f"{array.shape}: cast it in func (e.g. .astype(np.{dtype.name})) or declare what it returns")
+    if len(array.shape) != len(shape) or any(d is not None and d != a for d, a in zip(shape, array.shape, strict=True)):
+        raise ConfigError(f"TransformSpec field {name!r} is declared of shape {shape}; func returned shape "
+                          f"{array.shape} ({dtype}): resize it in func, or declare the shape it returns "
+                          "(None for a length that varies)")
+    return array
+
+
+def _seed_globals(seed: int) -> None:
+    """The generators a pandas function draws from unasked: Python's, numpy's and torch's."""
+    import sys
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+__all__ = ["RowTransform", "TransformSpec", "fields", "from_petastorm"]
