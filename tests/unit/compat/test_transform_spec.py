@@ -85,22 +85,22 @@ def test_the_tutorials_transform_spec_feeds_selected_fields_with_each_rows_own_a
 
 def test_a_declared_field_that_func_returns_otherwise_is_named_with_both_shapes(converter: SparkDatasetConverter) -> None:
     wrong = TransformSpec(augment, edit_fields=[("features", np.float32, (3, 64, 64), False)], selected_fields=["features"])
-    with pytest.raises(ConfigError, match=r"field 'features' is declared of shape \(3, 64, 64\); func returned shape \(3, 32, 32\)"):
-        with converter.make_torch_dataloader(batch_size=4, num_epochs=1, transform_spec=wrong) as loader:
-            next(iter(loader))
+    with pytest.raises(ConfigError, match=r"field 'features' is declared of shape \(3, 64, 64\); func returned shape \(3, 32, 32\)"), \
+            converter.make_torch_dataloader(batch_size=4, num_epochs=1, transform_spec=wrong) as loader:
+        next(iter(loader))
     dtype = TransformSpec(augment, edit_fields=[("features", np.uint8, (3, 32, 32), False)], selected_fields=["features"])
-    with pytest.raises(ConfigError, match=r"field 'features' is declared uint8 .*; func returned float32"):
-        with converter.make_torch_dataloader(batch_size=4, num_epochs=1, transform_spec=dtype) as loader:
-            next(iter(loader))
+    with pytest.raises(ConfigError, match=r"field 'features' is declared uint8 .*; func returned float32"), \
+            converter.make_torch_dataloader(batch_size=4, num_epochs=1, transform_spec=dtype) as loader:
+        next(iter(loader))
 
 
 def test_a_row_func_fails_on_is_named_or_skipped(tmp_path: Path) -> None:
     contents = photos(10, seed=3)
     contents[4] = b"not a photo"
     conv = _converter(tmp_path / "bad", contents)
-    with pytest.raises(DatasetError, match=r"row 4 .*UnidentifiedImageError"):
-        with conv.make_torch_dataloader(batch_size=5, num_epochs=1, transform_spec=SPEC, shuffle_row_groups=False) as loader:
-            list(loader)
+    with pytest.raises(DatasetError, match=r"row 4 .*UnidentifiedImageError"), \
+            conv.make_torch_dataloader(batch_size=5, num_epochs=1, transform_spec=SPEC, shuffle_row_groups=False) as loader:
+        list(loader)
     with conv.make_torch_dataloader(batch_size=5, num_epochs=1, transform_spec=SPEC, shuffle_row_groups=False,
                                     on_bad_sample="skip") as loader:
         sizes = [len(b["label"]) for b in loader]
