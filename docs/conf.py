@@ -48,6 +48,9 @@ nitpick_ignore_regex = [
                   r"DataFrame|SparkSession|Tensor|Module|Optimizer|Transformer|ParamMap)"),
     # A type alias of the loader's (dict[str, Any]): autodoc shows its name.
     (r"py:class", r"Batch"),
+    # CheckpointStore(writer=...): the run and attempt a rank's store writes for, set by the run
+    # itself (sparkdl._internal.train.fence.Writer, internal).
+    (r"py:class", r"Writer"),
 ]
 
 html_theme = "furo"
