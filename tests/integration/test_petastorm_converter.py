@@ -121,10 +121,10 @@ def _tutorial_spec(transform_spec: Any) -> Any:
 
         def one(data: bytes) -> Any:
             im = Image.open(io.BytesIO(data)).convert("RGB").resize((24, 24))
-            return (np.asarray(im, np.float32) / 255.0).transpose(2, 0, 1)
+            return np.ascontiguousarray((np.asarray(im, np.float32) / 255.0).transpose(2, 0, 1))  # Petastorm: row major
 
         pdf["features"] = pdf["content"].map(one)
-        return pdf
+        return pdf[["features", "label", "id"]]  # as the tutorials do: Petastorm wants exactly the fields selected
 
     return transform_spec(preprocess, edit_fields=[("features", np.float32, (3, 24, 24), False)],
                           selected_fields=["features", "label", "id"])
