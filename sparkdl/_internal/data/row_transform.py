@@ -111,7 +111,7 @@ class RowTransform:
         import pandas as pd
 
         _seed_globals(int(rng.integers(2**32)))
-        frame = pd.DataFrame({k: [v] for k, v in row.items()})
+        frame = _frame(pd, row)
         out = self.spec.func(frame) if self.spec.func is not None else frame
         if not isinstance(out, pd.DataFrame) or len(out) != 1:
             raise ConfigError(
@@ -150,15 +150,37 @@ def _checked(name: str, value: Any, dtype: np.dtype, shape: tuple[Any, ...], nul
     return array
 
 
+def _frame(pd: Any, row: dict[str, Any]) -> Any:
+    """A one-row DataFrame of ``row``, built for speed: it is made for every row (190 us with
+    pandas' dict of lists, 37 us from one-element arrays without pandas' checks)."""
+    arrays = [_one(v) for v in row.values()]
+    try:
+        return pd.DataFrame._from_arrays(arrays, columns=pd.Index(list(row)), index=pd.RangeIndex(1),
+                                         verify_integrity=False)
+    except (AttributeError, TypeError):  # a pandas without it
+        return pd.DataFrame(dict(zip(row, arrays, strict=True)), copy=False)
+
+
+def _one(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.reshape(1)
+    out = np.empty(1, dtype=object) if not isinstance(value, (int, float, bool, np.number, np.bool_)) else None
+    if out is None:
+        return np.asarray([value])
+    out[0] = value
+    return out
+
+
 def _seed_globals(seed: int) -> None:
-    """The generators a pandas function draws from unasked: Python's, numpy's and torch's."""
+    """The generators a pandas function draws from unasked: Python's, numpy's and torch's (its
+    CPU generator: ``torch.manual_seed`` also seeds every GPU's, 200 us a row)."""
     import sys
 
     random.seed(seed)
     np.random.seed(seed)
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
 
 
 __all__ = ["RowTransform", "TransformSpec", "fields", "from_petastorm"]
