@@ -58,10 +58,15 @@ class Writer:
     def made(self, tag: str | None) -> bool:
         """Whether a file tagged ``tag`` was made by this run at this attempt or an earlier one:
         those this writer may remove (an earlier attempt of its own run is over, or fenced)."""
-        if tag is None or "-" not in tag:
-            return False
-        run, _, attempt = tag.rpartition("-")
-        return run == self.run and attempt.isdigit() and int(attempt) <= self.attempt
+        attempt = (tag or "").rpartition("-")[2]
+        return run_of(tag) == self.run and attempt.isdigit() and int(attempt) <= self.attempt
+
+
+def run_of(tag: str | None) -> str | None:
+    """The run of a :attr:`Writer.tag` (``<run>-<attempt>``) in a file's name; None for an untagged one."""
+    if tag is None or "-" not in tag:
+        return None
+    return tag.rpartition("-")[0]
 
 
 def _read(fs: Any, path: str) -> dict[str, Any] | None:

@@ -26,6 +26,9 @@ FORMAT = 1
 SHARD_FILE = re.compile(r"^__\d+(_\d+\.distcp|\.metadata)$")
 
 
+NO_RECORD = "it has no commit record (its save stopped before it committed)"
+
+
 def record_name(seq: int) -> str:
     return f"ckpt-{seq:08d}.json"
 

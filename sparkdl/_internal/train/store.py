@@ -131,7 +131,7 @@ class CheckpointStore:
             with fs.open_input_stream(posixpath.join(root, records.record_name(seq))) as f:
                 raw = f.read()
         except FileNotFoundError:
-            return "it has no commit record (its save stopped before it committed)"
+            return records.NO_RECORD
         return records.parse(raw, seq)
 
     def verify(self, seq: int) -> str | None:
@@ -237,13 +237,18 @@ class CheckpointStore:
         if self.sync:
             _fsync(fs, root)
 
-    def _let_go(self, fs: Any, root: str, seq: int) -> None:
-        kept = set(self.sequence_numbers()[-self.keep:])
-        kept_shards = set()
-        for n in kept:
+    def _shard_dirs(self, fs: Any, root: str, seqs: Any) -> set[str]:
+        """The shard directories the commit records of checkpoints ``seqs`` name."""
+        named = set()
+        for n in seqs:
             record = self._record(fs, root, n)
             if isinstance(record, dict) and record.get("shards"):
-                kept_shards.add(record["shards"]["dir"])
+                named.add(record["shards"]["dir"])
+        return named
+
+    def _let_go(self, fs: Any, root: str, seq: int) -> None:
+        kept = set(self.sequence_numbers()[-self.keep:])
+        kept_shards = self._shard_dirs(fs, root, kept)
         # Older than every kept checkpoint: pruned, committed or not (a torn one newer than that
         # is skipped by restores until it falls behind too).
         oldest = min(kept, default=seq)
@@ -262,16 +267,12 @@ class CheckpointStore:
         commit record names): the run whose lease this one took over, whose driver died. Returns
         the names removed."""
         fs, root = self._fs()
-        named = set()
-        for seq in self.sequence_numbers():
-            record = self._record(fs, root, seq)
-            if isinstance(record, dict) and record.get("shards"):
-                named.add(record["shards"]["dir"])
+        named = self._shard_dirs(fs, root, self.sequence_numbers())
         removed = []
         for name, info in self._entries().items():
             shard, tmp = _SHARDS.match(name), _TMP.match(name)
-            tag = (shard.group(2) if shard else tmp.group(1) if tmp else None) or ""
-            if tag.rpartition("-")[0] != run or name in named:
+            tag = shard.group(2) if shard else tmp.group(1) if tmp else None
+            if fence.run_of(tag) != run or name in named:
                 continue
             (fs.delete_dir if shard else fs.delete_file)(info.path)
             removed.append(name)
@@ -312,7 +313,7 @@ class CheckpointStore:
             record = self._record(fs, root, seq)
             # A checkpoint named by its number loads without a record (one an earlier sparkdl
             # wrote), never with a record it does not match.
-            problem = record if isinstance(record, str) and "no commit record" not in record else (
+            problem = record if isinstance(record, str) and record != records.NO_RECORD else (
                 records.data_problem(record, data) if isinstance(record, dict) else None)
         if problem:
             raise SparkDLError(f"checkpoint {redact(self.url)}/{name} cannot be trusted: {problem}. "
