@@ -258,12 +258,19 @@ def test_a_commit_whose_shards_are_missing_or_torn_is_skipped_for_the_one_before
     (dirs[-1] / "__1_0.distcp").unlink()  # a host lost rank 1's shards of checkpoint 4
     os.truncate(dirs[-2] / "__0_0.distcp", 10)  # and tore rank 0's of checkpoint 3
     capfd.readouterr()
-    out = sparkdl.run(train, dataset, {**opts, "epochs": 2}, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
+    result = sparkdl.launch(train, dataset, {**opts, "epochs": 2}, num_workers=2, config=CFG, checkpoint_dir=str(ckpt))
+    out = result.value
     assert out["attempt"] == 0 and out["restored_from"] == 2
     _assert_same(out["weights"], reference["weights"], "the uninterrupted run")
+    missing = f"its shard file {dirs[-1].name}/__1_0.distcp is missing"
+    torn = f"its shard file {dirs[-2].name}/__0_0.distcp is 10 bytes"
     said = capfd.readouterr().err
-    assert f"skipped checkpoint 4 of file://{ckpt}: its shard file {dirs[-1].name}/__1_0.distcp is missing" in said
-    assert f"skipped checkpoint 3 of file://{ckpt}: its shard file {dirs[-2].name}/__0_0.distcp is 10 bytes" in said
+    assert f"skipped checkpoint 4 of file://{ckpt}: {missing}" in said
+    assert f"skipped checkpoint 3 of file://{ckpt}: {torn}" in said
+    # The run's result names them too (rank 0 verifies for the gang), with the same reasons.
+    assert [(s["attempt"], s["rank"], s["checkpoint"]) for s in result.skipped_checkpoints] == [(0, 0, 4), (0, 0, 3)]
+    assert result.skipped_checkpoints[0]["reason"].startswith(missing)
+    assert result.skipped_checkpoints[1]["reason"].startswith(torn)
 
 
 def _fed(log: Path) -> dict[int, dict[tuple[int, int], list[int]]]:

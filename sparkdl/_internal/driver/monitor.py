@@ -26,6 +26,7 @@ from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire.channel import ChannelError, FramedConnection, Message
 from sparkdl._internal.wire.messages import (
     MAX_LINE_BYTES,
+    SKIPPED_CHECKPOINT_KEY,
     DumpStacks,
     Exited,
     Gang,
@@ -229,6 +230,10 @@ class Monitor:
     def metric(self, attempt: int, rank: int, msg: Metric) -> None:
         # The rank and attempt are the sender's; the record cannot claim others.
         record = {**msg.record, "rank": rank, "attempt": attempt}
+        if (skipped := record.pop(SKIPPED_CHECKPOINT_KEY, None)) is not None:  # for the result and report
+            if (rec := self.records.get((attempt, rank))) is not None and isinstance(skipped, int):
+                rec.skipped.append((skipped, str(record.get("reason", ""))))
+            return
         if not record.pop(PROGRESS_KEY, None):  # a step report is for the progress line only
             self.metrics.add(record)
         self.progress.update(record)

@@ -41,6 +41,8 @@ class RankRecord:
     # Its Python stacks (every thread, faulthandler's text), taken while it still ran, and when.
     stack: str | None = None
     stack_when: str | None = None
+    # The checkpoints its restores skipped because they did not verify: (number, why).
+    skipped: list[tuple[int, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.state = RankState(self.state)
@@ -72,6 +74,13 @@ class RankRecord:
         if self.error:
             text += f": {self.error}"
         return text
+
+
+def skipped_checkpoints(records: list[RankRecord]) -> list[dict[str, object]]:
+    """The checkpoints the ranks' restores skipped (they did not verify), by attempt and rank:
+    ``{"attempt", "rank", "checkpoint", "reason"}`` each."""
+    return [{"attempt": rec.attempt, "rank": rec.rank, "checkpoint": seq, "reason": why}
+            for rec in sorted(records, key=lambda r: (r.attempt, r.rank)) for seq, why in rec.skipped]
 
 
 def root_cause(records: list[RankRecord]) -> RankRecord | None:
@@ -225,6 +234,9 @@ def build_report(
                 pid = f" (pid {rec.pid})" if rec.pid else ""
                 lines.append(f"    stack of rank {rec.rank}{pid} {rec.stack_when or 'before it was stopped'}:")
                 lines.extend(f"    | {line}" for line in trim_stack(rec.stack))
+        for rec in recs:
+            lines.extend(f"  rank {rec.rank} skipped checkpoint {seq}, which did not verify: {why}"
+                         for seq, why in rec.skipped)
     groups: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
         if rec.failed:

@@ -17,7 +17,10 @@ class RunResult:
     ``attempts`` counts the gangs that formed and ``world_sizes`` gives each one's number of ranks,
     in order: ``[4, 4, 3]`` when the third attempt ran on fewer ranks (``RunConfig.min_workers``).
     ``log_dir`` holds every line each rank printed, a file per rank and attempt (``rank-0.log``,
-    ``rank-0.attempt-1.log``), on the driver's disk.
+    ``rank-0.attempt-1.log``), on the driver's disk. ``skipped_checkpoints`` names each checkpoint
+    a restore skipped because it did not match its commit record (torn, truncated, shards
+    missing), and why: ``{"attempt": 2, "rank": 0, "checkpoint": 5, "reason": "..."}``; the run
+    resumed from an older one.
 
     Example::
 
@@ -35,6 +38,7 @@ class RunResult:
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
     metrics_path: str | None = None
     log_dir: str | None = None
+    skipped_checkpoints: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def metrics(self) -> pd.DataFrame:

@@ -23,6 +23,7 @@ from sparkdl._internal.driver.launcher import Job, pickle_payload
 from sparkdl._internal.driver.monitor import Monitor
 from sparkdl._internal.driver.output import RankOutput, dedupes
 from sparkdl._internal.driver.progress import MetricsLog, Progress
+from sparkdl._internal.driver.report import skipped_checkpoints
 from sparkdl._internal.driver.result import RunResult, log_to_mlflow
 from sparkdl._internal.driver.spark import SparkLauncher
 from sparkdl._internal.fs.storage import redact
@@ -231,6 +232,7 @@ def launch(
             records=metrics.records,
             metrics_path=str(metrics.path) if metrics.path else None,
             log_dir=str(output.log_dir) if output.log_dir else None,
+            skipped_checkpoints=skipped_checkpoints(list(monitor.records.values())),
         )
         if mlflow_on:
             # Metrics go to MLflow whether the run succeeded or not; the model only on success.

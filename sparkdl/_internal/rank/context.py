@@ -8,7 +8,6 @@ in threads and in DataLoader worker processes too.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ from sparkdl._internal.wire.messages import PROGRESS_KEY
 
 if TYPE_CHECKING:
     import torch
-
-_PIPE_ATOMIC_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -171,21 +168,14 @@ class RunContext:
 
     def _send(self, record: dict[str, Any], quiet: bool = False) -> None:
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        if len(line) > _PIPE_ATOMIC_BYTES:
+        if len(line) > rankspec.PIPE_ATOMIC_BYTES:
             raise ConfigError(
-                f"log_metrics: one call may send at most {_PIPE_ATOMIC_BYTES} bytes of JSON; "
+                f"log_metrics: one call may send at most {rankspec.PIPE_ATOMIC_BYTES} bytes of JSON; "
                 "split the metrics over several calls"
             )
-        fd = rankspec.read_fd("metrics")
-        try:
-            if fd is None:
-                raise OSError
-            # One write of at most PIPE_BUF bytes is atomic: threads and processes never interleave.
-            os.write(fd, line)
-        except OSError:
+        if not rankspec.send_record(line) and not quiet:
             # No driver to send to (the driver-local launcher): keep the metrics in the output.
-            if not quiet:
-                print(f"sparkdl metrics {line.decode().strip()}", flush=True)
+            print(f"sparkdl metrics {line.decode().strip()}", flush=True)
 
     @property
     def is_chief(self) -> bool:

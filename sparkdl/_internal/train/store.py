@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import pickle
 import posixpath
@@ -38,6 +39,8 @@ from sparkdl._internal.fs.storage import filesystem, make_dirs, normalize_url, r
 from sparkdl._internal.train import fence, records
 from sparkdl._internal.train.fence import Writer
 from sparkdl._internal.train.finite import nonfinite_paths, refuse_nonfinite
+from sparkdl._internal.wire import rankspec
+from sparkdl._internal.wire.messages import SKIPPED_CHECKPOINT_KEY
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -47,6 +50,8 @@ _NAME = re.compile(r"^ckpt-(\d{8})\.(pt|json)$")
 _SHARDS = re.compile(r"^shards-(\d{8})-(?:([0-9a-f]+-\d+)-)?[0-9a-f]+$")
 _TMP = re.compile(r"^\.tmp-ckpt-\d{8}-(?:([0-9a-f]+-\d+)-)?[0-9a-f]{32}$")
 SHARDED = "sparkdl_sharded"
+# Of a skipped checkpoint's reason, what goes to the driver (its record must fit one atomic write).
+_REASON_CHARS = 1000
 """The key that marks a sharded checkpoint's commit file (see :mod:`sparkdl._internal.train.sharded`)."""
 
 
@@ -168,6 +173,9 @@ class CheckpointStore:
             skipped.append((seq, problem))
             print(f"sparkdl: skipped checkpoint {seq} of {redact(self.url)}: {problem}; resuming from an "
                   "older one", file=sys.stderr, flush=True)
+            # And to the driver, for the run's result and its report (inside a run; nothing outside).
+            note = {SKIPPED_CHECKPOINT_KEY: seq, "reason": problem[:_REASON_CHARS]}
+            rankspec.send_record((json.dumps(note, separators=(",", ":")) + "\n").encode())
         return None, skipped
 
     def save(self, obj: Any, *, weights_only: bool = False) -> int:

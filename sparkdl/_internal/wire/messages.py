@@ -135,6 +135,9 @@ progress bar's redraws (tqdm's ``\r``) keep only the last one."""
 # The key of a Metric record that only reports a rank's step (TrainState sends one a second from
 # every rank but 0): the driver's progress line and straggler check take it; the metrics do not.
 PROGRESS_KEY = "sparkdl.progress"
+# The key of a Metric record that says a restore skipped a checkpoint that did not verify (its
+# number; "reason" says why): the driver keeps it for the run's result and report, not the metrics.
+SKIPPED_CHECKPOINT_KEY = "sparkdl.skipped_checkpoint"
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,25 @@ def read_fd(name: str, env: Mapping[str, str] | None = None) -> int | None:
     return int(value) if value is not None else None
 
 
+PIPE_ATOMIC_BYTES = 4096
+"""The most one metrics record may take: one write of at most PIPE_BUF bytes to the rank's
+metrics pipe is atomic, so threads and processes never interleave theirs."""
+
+
+def send_record(line: bytes) -> bool:
+    """Writes one JSON line (at most :data:`PIPE_ATOMIC_BYTES`) to the rank's metrics pipe, which
+    its task relays to the driver; False where there is none (outside a run, the driver-local
+    launcher) or it is closed."""
+    fd = read_fd("metrics")
+    if fd is None:
+        return False
+    try:
+        os.write(fd, line)
+    except OSError:
+        return False
+    return True
+
+
 def read_rank(env: Mapping[str, str] | None = None) -> RankSpec:
     """The :class:`RankSpec` this process was started with; NotInRunError outside a run."""
     env = os.environ if env is None else env

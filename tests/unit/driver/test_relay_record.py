@@ -22,13 +22,14 @@ def _monitor() -> Monitor:
     return Monitor(2, 3, FAST, None, MetricsLog(None), Progress(1.0, enabled=False))
 
 
-def _record(secret: bytes, run_id: str = "r1", first_attempt: int = 0) -> bytes:
+def _record(secret: bytes, run_id: str = "r1", first_attempt: int = 0, metrics: tuple[dict, ...] = ()) -> bytes:
     body = {"run": run_id, "first_attempt": first_attempt, "stop": None, "timed_out": False, "dropped_lines": 0,
             "stacks": [],
             "events": [[0, {"t": "hello", "r": 0, "a": -1, "host": "h0", "task_pid": 1, "tid": 10}],
                        [0, {"t": "gang", "r": 0, "a": -1, "tids": [10, 11]}],
                        [0, {"t": "started", "r": 0, "a": first_attempt, "pid": 5}],
                        [0, {"t": "log", "r": 0, "a": first_attempt, "s": "o", "l": "relayed line", "more": False}],
+                       *([0, {"t": "metric", "r": 0, "a": first_attempt, "m": m}] for m in metrics),
                        [0, {"t": "exit", "r": 0, "a": first_attempt, "code": 0, "signal": None}],
                        [0, None]]}
     return relay.sign(secret, json.dumps(body).encode())
@@ -42,6 +43,25 @@ def test_a_signed_record_replays_into_the_drivers_monitor(capsys: pytest.Capture
     assert (rec.attempt, rec.rank, rec.host, str(rec.state), rec.tail) == (0, 0, "h0", "succeeded", ["relayed line"])
     assert not monitor.output.close(timeout_s=10)  # as the run does before it returns
     assert "[rank 0] relayed line" in capsys.readouterr().out
+
+
+def test_a_checkpoint_a_restore_skipped_is_in_the_result_and_the_report_not_in_the_metrics() -> None:
+    """A rank's restore that skipped a torn checkpoint says so to the driver (directly, or, as
+    here, through the hub's record): RunResult.skipped_checkpoints and the failure report name
+    it with its reason; the metrics hold only what the user logged."""
+    from sparkdl._internal.driver.report import build_report, skipped_checkpoints
+    from sparkdl._internal.wire.messages import SKIPPED_CHECKPOINT_KEY
+
+    secret, monitor = os.urandom(32), _monitor()
+    note = {SKIPPED_CHECKPOINT_KEY: 4, "reason": "its data file is empty (0 bytes)", "rank": 1, "attempt": 9}
+    relay.replay(_record(secret, metrics=(note, {"step": 1, "loss": 0.5})), secret, "r1", 0, monitor)
+    # The rank and attempt are the sender's, whatever the record claims.
+    assert skipped_checkpoints(monitor.sorted_records()) == [
+        {"attempt": 0, "rank": 0, "checkpoint": 4, "reason": "its data file is empty (0 bytes)"}]
+    assert [{k: r[k] for k in ("step", "loss")} for r in monitor.metrics.records] == [{"step": 1, "loss": 0.5}]
+    report, _ = build_report(monitor.sorted_records(), headline="h", hint="x")
+    assert "rank 0 skipped checkpoint 4, which did not verify: its data file is empty (0 bytes)" in report
+    monitor.output.close(timeout_s=10)
 
 
 def test_a_tampered_or_foreign_record_is_refused() -> None:
