@@ -267,3 +267,72 @@ def test_a_second_run_on_a_live_runs_checkpoint_directory_is_refused_naming_both
     assert first.get("out") == 1, f"the first run was harmed: {first}"
     assert sparkdl.CheckpointStore(str(ckpt)).load() == {"step": 1}
     assert not (ckpt / ".sparkdl-run.json").exists(), "the run that ended kept its lease"
+
+
+def stale_then_rerun(gate: str) -> int | None:
+    """Attempt 0: rank 0 commits checkpoint 1, hands its store (run and attempt bound) to the test,
+    which plays that rank still running on an executor the driver cut off; rank 1 then fails.
+    Attempt 1: rank 0 commits, waits (bounded) until the stale writer has tried, commits again."""
+    import pickle
+
+    ctx = sparkdl.context()
+    gate_dir = Path(gate)
+    if ctx.attempt == 0:
+        if ctx.rank == 0:
+            ctx.save_checkpoint({"step": 1, "attempt": 0})
+            (gate_dir / "stale-store.pkl").write_bytes(pickle.dumps(ctx.checkpoints))
+            return None
+        deadline = time.monotonic() + 60
+        while not (gate_dir / "stale-store.pkl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise RuntimeError("rank 1 of attempt 0 fails after rank 0's first commit")
+    if ctx.rank == 0:
+        ctx.save_checkpoint({"step": 2, "attempt": ctx.attempt})
+        (gate_dir / "rerun-saved").write_text(ctx.run_id)
+        deadline = time.monotonic() + 60
+        while not (gate_dir / "stale-tried").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return ctx.save_checkpoint({"step": 3, "attempt": ctx.attempt})
+    return None
+
+
+# The rank 0 of attempt 0 that a partition cut off, still running: it commits once attempt 1 has.
+STALE_WRITER = """
+import pathlib, pickle, sys, time
+gate = pathlib.Path(sys.argv[1])
+deadline = time.monotonic() + 120
+while not (gate / "rerun-saved").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+store = pickle.loads((gate / "stale-store.pkl").read_bytes())
+try:
+    store.save({"step": 99, "attempt": 0})
+    outcome = "committed"
+except Exception as exc:
+    outcome = f"{type(exc).__name__}: {exc}"
+(gate / "stale-tried").write_text(outcome)
+"""
+
+
+def test_a_stale_attempts_rank_0_cannot_commit_over_the_rerun(spark, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+
+    ckpt, gate = tmp_path / "ckpt", tmp_path / "gate"
+    gate.mkdir()
+    stale = subprocess.Popen([sys.executable, "-c", STALE_WRITER, str(gate)])
+    try:
+        out = sparkdl.run(stale_then_rerun, str(gate), num_workers=2, max_attempts=2, config=CFG,
+                          checkpoint_dir=str(ckpt))
+        stale.wait(timeout=30)
+    finally:
+        if stale.poll() is None:
+            stale.kill()
+            stale.wait()
+    run_id = (gate / "rerun-saved").read_text()
+    outcome = (gate / "stale-tried").read_text()
+    assert outcome.startswith("StaleWriterError: ") and f"attempt 0 of run {run_id} is stale: attempt 1" in outcome, outcome
+    # The rerun's checkpoints are whole and numbered on; nothing of the stale writer's is there.
+    store = sparkdl.CheckpointStore(str(ckpt))
+    assert out == 3 and store.sequence_numbers() == [1, 2, 3]
+    assert [store.load(seq) for seq in (1, 2, 3)] == [{"step": 1, "attempt": 0}, {"step": 2, "attempt": 1},
+                                                     {"step": 3, "attempt": 1}]
+    assert not [p.name for p in ckpt.iterdir() if p.name.startswith(".tmp-")]

@@ -129,14 +129,9 @@ def claim(url: str, writer: Writer) -> None:
 
 def check(url: str, writer: Writer) -> None:
     """Raises StaleWriterError unless ``writer`` still owns the directory (right before a commit);
-    claims it when nobody does."""
-    fs, root = filesystem(url)
-    found = _fence(fs, root, writer)
-    why = _fenced_by(found, writer)
-    if why:
-        raise StaleWriterError(f"checkpoint directory {redact(url)}: {why}")
-    if found is None:
-        claim(url, writer)
+    claims it when nobody does, or an older attempt of its run did (an attempt that saves before
+    it ever restores: the fence must move on from the attempt before, or that one could commit)."""
+    claim(url, writer)
 
 
 # -- the run's lease, held by the driver ----------------------------------------------------------
@@ -181,8 +176,7 @@ class RunLease:
                     f"checkpoint directory {redact(self.url)} is in use by run {found.get('run')} (driver "
                     f"pid {found.get('pid')} on {found.get('host')}), so run {self.run_id} did not start: two "
                     "runs writing one directory would destroy each other's checkpoints. Give this run its own "
-                    "checkpoint_dir (each CrossValidator fit too: checkpointDir per fit), or wait for that run "
-                    f"to end; a run whose driver died is taken over after RunConfig.checkpoint_lease_s="
+                    "checkpoint_dir, or wait for that run to end; a run whose driver died is taken over after RunConfig.checkpoint_lease_s="
                     f"{found.get('lease_s')}"
                 )
             self.took_over = str(found.get("run"))
