@@ -439,3 +439,39 @@ def test_fit_reruns_the_gang_and_resumes(spark, tmp_path, no_leaks):  # type: ig
     with torch.no_grad():
         pred = second.getModule()(torch.tensor(x, dtype=torch.float32)).squeeze(-1).numpy()
     assert float(np.mean((pred - y) ** 2)) < float(np.var(y))
+
+
+def test_cross_validator_fits_sharing_a_checkpoint_dir_each_keep_their_own(spark, tmp_path, no_leaks):  # type: ignore[no-untyped-def]
+    """Spark ML copies the estimator, checkpointDir included, for every fit: two learning rates on
+    two folds, two fits at a time, then the best on all the data. Each fit trains from scratch in
+    a directory of its own (none resumes another's state, none is refused by another's lease).
+    The same fit made again resumes from its own: test_fit_reruns_the_gang_and_resumes."""
+    import json
+
+    from pyspark.ml.evaluation import RegressionEvaluator
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    from sparkdl._internal.train.fence import run_of
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(96, 3))
+    y = x @ np.array([1.0, -1.0, 2.0])
+    df = spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(len(x))], "features array<double>, label double")
+    shared = tmp_path / "checkpoints"
+    estimator = TorchEstimator(model=lambda: torch.nn.Linear(3, 1), optimizer="sgd", loss="mse", batchSize=16,
+                               epochs=2, numWorkers=1, checkpointDir=str(shared), runConfig=FAST)
+    grid = ParamGridBuilder().addGrid(estimator.learningRate, [0.01, 0.05]).build()
+    cv = CrossValidator(estimator=estimator, estimatorParamMaps=grid, evaluator=RegressionEvaluator(),
+                        numFolds=2, parallelism=2, seed=3)
+    fitted = cv.fit(df)
+    fits = sorted(p for p in shared.iterdir() if p.is_dir())
+    # 2 learning rates x 2 folds, and the best learning rate on all the rows: 5 fits, 5 directories.
+    assert len(fits) == 5 and all(p.name.startswith("fit-") for p in fits), [p.name for p in shared.iterdir()]
+    runs = set()
+    for fit in fits:
+        records = [json.loads(p.read_text()) for p in fit.glob("ckpt-*.json")]
+        # Each trained its 2 epochs from scratch: a checkpoint per epoch, both by one run.
+        assert len(records) == 2 and len({run_of(r["writer"]) for r in records}) == 1, records
+        runs.add(run_of(records[0]["writer"]))
+    assert len(runs) == 5, runs
+    assert [h["epoch"] for h in fitted.bestModel.history] == [1, 2]

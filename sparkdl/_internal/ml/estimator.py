@@ -27,6 +27,7 @@ from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
 from sparkdl._internal.ml.columns import features_expr, inspect_columns, label_expr
 from sparkdl._internal.ml.decoding import eval_decoder
+from sparkdl._internal.ml.fit_dir import fit_dir
 from sparkdl._internal.ml.fit_plan import CLASSIFICATION, REGRESSION, REGRESSION_LOSSES, FitPlan
 from sparkdl._internal.ml.model import TorchModel
 from sparkdl._internal.ml.params import EstimatorParams, check_backend
@@ -108,8 +109,8 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
         backend: ``"torch"`` (default) or ``"horovod"``.
         useGpu: one GPU per rank; ``None`` (default): when ``spark.task.resource.gpu.amount`` is set.
         runConfig: a :class:`sparkdl.RunConfig`, the run's bounds (default: ``RunConfig()``).
-        checkpointDir: where checkpoints go; ``None`` (default): a new directory per fit under
-            ``spark.sparkdl.runDir``.
+        checkpointDir: where checkpoints go, in a subdirectory per fit named by its parameters and
+            data (``fit-<digest>``); ``None`` (default): a new directory per fit under ``spark.sparkdl.runDir``.
         checkpointEvery: ``0`` (default): checkpoint at the end of each epoch only; N: also every
             N steps.
         validationFraction: rows held out (default 0.0); with it, every epoch records
@@ -336,7 +337,7 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
             use_gpu=self.getUseGpu(),
             config=self.getRunConfig(),
             spark=session,
-            checkpoint_dir=self.getCheckpointDir(),
+            checkpoint_dir=None if (ckpt := self.getCheckpointDir()) is None else fit_dir(ckpt, self, dataset),
         )
         if not isinstance(result, dict):
             raise SparkDLError("rank 0 returned no trained weights (internal error)")

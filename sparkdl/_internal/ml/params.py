@@ -262,8 +262,9 @@ class EstimatorParams(ScoringParams, HasLabelCol, HasSeed):
     checkpointDir: Param[Any] = Param(
         Params._dummy(),
         "checkpointDir",
-        "where checkpoints go (shared by all executors); a fit given a directory with checkpoints of "
-        "an earlier fit of the same data resumes it. None: a new directory per fit",
+        "where checkpoints go (shared by all executors), in a subdirectory per fit named by its "
+        "parameters and data: the same fit made again resumes (with more epochs too), and "
+        "CrossValidator's fits never share one. None: a new directory per fit",
         typeConverter=_optional_str,
     )
     checkpointEvery: Param[int] = Param(
