@@ -82,6 +82,10 @@ def test_the_drop_ins_run_over_connect_like_sparks(connect_server: ConnectServer
     # Petastorm's make_spark_converter, from sparkdl.compat.petastorm: shard 1 of 2 of 100 rows.
     size, steps, ids, dtype = r["converter"]
     assert size == 100 and steps == 4 and len(ids) == 50 and len(set(ids)) == 50 and dtype == "torch.float32", r["converter"]
+    # The image tutorial's: a TransformSpec decoding photos, read by HorovodRunner's 2 ranks, a shard each.
+    size, shards = r["tutorial"]
+    assert size == 8 and [shape for _, shape in shards] == [["(3, 8, 8) torch.float32"]] * 2, r["tutorial"]
+    assert sorted(shards[0][0] + shards[1][0]) == list(range(8)) and len(shards[0][0]) == 4, r["tutorial"]
     # Spark ML's own checks run over Connect too (tests/e2e/test_connect_ml.py trains and scores).
     assert "does not match labelCol='y'" in r["estimator"], r["estimator"]
 

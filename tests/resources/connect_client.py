@@ -149,7 +149,48 @@ def scenario_dropins(spark: Any, work: str) -> dict[str, Any]:
     out["converter"] = [len(converter), len(batches), sorted(int(i) for b in batches for i in b["id"]),
                         str(batches[0]["x"].dtype)]
     converter.delete()
+    # The image tutorial's converter, TransformSpec and HorovodRunner, from a Connect client.
+    import numpy as np
+    from photos import photos
+
+    from sparkdl.compat.petastorm import TransformSpec
+
+    df = spark.createDataFrame([(i, i % 2, bytearray(p)) for i, p in enumerate(photos(8, seed=2))],
+                               "id long, label int, content binary")
+    converter = make_spark_converter(df)
+    spec = TransformSpec(decode_photos, edit_fields=[("features", np.float32, (3, 8, 8), False)],
+                         selected_fields=["features", "label", "id"])
+    out["tutorial"] = [len(converter), HorovodRunner(np=2).run(read_shard, converter=converter, spec=spec)]
+    converter.delete()
     return out
+
+
+def decode_photos(pdf: Any) -> Any:
+    """The tutorial's TransformSpec function: each photo of the batch decoded and resized by PIL."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    def one(data: bytes) -> Any:
+        image = Image.open(io.BytesIO(data)).convert("RGB").resize((8, 8))
+        return np.ascontiguousarray((np.asarray(image, np.float32) / 255.0).transpose(2, 0, 1))
+
+    pdf["features"] = pdf["content"].map(one)
+    return pdf[["features", "label", "id"]]
+
+
+def read_shard(converter: Any, spec: Any) -> Any:
+    import horovod.torch as hvd
+
+    hvd.init()
+    ids, shapes = [], set()
+    with converter.make_torch_dataloader(transform_spec=spec, batch_size=2, num_epochs=1, cur_shard=hvd.rank(),
+                                         shard_count=hvd.size()) as loader:
+        for batch in loader:
+            ids.extend(int(i) for i in batch["id"])
+            shapes.add(f"{tuple(batch['features'].shape[1:])} {batch['features'].dtype}")
+    return hvd.allgather_object([sorted(ids), sorted(shapes)])
 
 
 def sleeper(pids: str) -> None:
