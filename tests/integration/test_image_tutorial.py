@@ -183,3 +183,24 @@ def test_horovodrunner_trains_on_the_converters_shards_and_averages_the_validati
     _VALIDATED[module] = out["ids"]
     if len(_VALIDATED) == 2:  # the classic stack: Petastorm's converter ran the same code
         assert _VALIDATED["sparkdl.compat.petastorm"] == _VALIDATED["petastorm.spark"]
+
+
+def test_make_tf_dataset_gives_the_transformed_rows_as_petastorms_namedtuples(converter) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("tensorflow")
+    module, conv = converter
+    with conv.make_tf_dataset(transform_spec=_spec(module), batch_size=4, num_epochs=1, shuffle_row_groups=False,
+                              workers_count=1) as dataset:
+        batches = list(dataset)
+    fields = {tuple(sorted(b._fields)) for b in batches}
+    assert fields == {("features", "id", "label_index")}, fields
+    ids = np.concatenate([b.id.numpy() for b in batches])
+    assert sorted(ids.tolist()) == list(range(PHOTOS))
+    features = np.concatenate([b.features.numpy() for b in batches])
+    assert features.dtype == np.float32 and features.shape == (PHOTOS, 3, SIZE, SIZE)
+    assert 0.0 <= features.min() and features.max() <= 1.0 and features.std() > 0.01
+    _TF_ROWS[module] = features[np.argsort(ids)]
+    if len(_TF_ROWS) == 2:  # the classic stack: Petastorm's converter gave the same values
+        np.testing.assert_array_equal(_TF_ROWS["sparkdl.compat.petastorm"], _TF_ROWS["petastorm.spark"])
+
+
+_TF_ROWS: dict[str, Any] = {}
