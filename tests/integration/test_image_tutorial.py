@@ -197,7 +197,7 @@ def test_make_tf_dataset_gives_the_transformed_rows_as_petastorms_namedtuples(co
     assert sorted(ids.tolist()) == list(range(PHOTOS))
     features = np.concatenate([b.features.numpy() for b in batches])
     assert features.dtype == np.float32 and features.shape == (PHOTOS, 3, SIZE, SIZE)
-    assert 0.0 <= features.min() and features.max() <= 1.0 and features.std() > 0.01
+    assert features.min() >= 0.0 and features.max() <= 1.0 and features.std() > 0.01
     _TF_ROWS[module] = features[np.argsort(ids)]
     if len(_TF_ROWS) == 2:  # the classic stack: Petastorm's converter gave the same values
         np.testing.assert_array_equal(_TF_ROWS["sparkdl.compat.petastorm"], _TF_ROWS["petastorm.spark"])
