@@ -5,6 +5,8 @@ Modules, each depending only on those listed before it (and on :mod:`sparkdl._in
 rank):
 
 - :mod:`~sparkdl._internal.data.manifest`: the manifest (columns, files, row groups) and column kinds;
+- :mod:`~sparkdl._internal.data.petastorm_schema`: a Petastorm dataset's ``Unischema``, read with a
+  restricted unpickler into the manifest's fields;
 - :mod:`~sparkdl._internal.data.scan`: a path's manifest, read or built from the Parquet footers;
 - :mod:`~sparkdl._internal.data.files`: the files a loader reads, and the row-group reader;
 - :mod:`~sparkdl._internal.data.plan`: each rank's share of every epoch, from the manifest alone;
@@ -13,6 +15,8 @@ rank):
   nvJPEG and one sampling pass);
 - :mod:`~sparkdl._internal.data.samples`: per-sample functions (``decode=``) on worker threads or
   processes, each sample's randomness from its row;
+- :mod:`~sparkdl._internal.data.petastorm_codecs`: the default decoders of a Petastorm dataset's
+  ndarray and image columns;
 - :mod:`~sparkdl._internal.data.spares`: shuffle windows' arrays, reused;
 - :mod:`~sparkdl._internal.data.read`: windows of rows read with pyarrow, cut into batches of tensors;
 - :mod:`~sparkdl._internal.data.selection`: the columns a loader reads, checked, and where a row is;

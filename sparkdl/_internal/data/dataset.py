@@ -31,7 +31,10 @@ class Dataset(ParquetFiles):
     """A Parquet dataset to feed PyTorch from: a small handle that pickles to every rank.
 
     It opens directories written by :func:`write_dataset`, by plain Spark
-    (``df.write.parquet``), by pyarrow, or by Petastorm, and single Parquet files. The manifest
+    (``df.write.parquet``), by pyarrow, or by Petastorm, and single Parquet files. A dataset
+    Petastorm's ``materialize_dataset`` wrote keeps its ``Unischema`` in ``_common_metadata``: it
+    is read without Petastorm (and without running code from the file), and the loader decodes
+    the ndarray and image columns as Petastorm's reader does. The manifest
     is read (or, without one, built from the Parquet footers) when the handle is created, and it
     travels with the handle when pickled, so that every rank plans from the very same layout.
 
@@ -82,8 +85,13 @@ class Dataset(ParquetFiles):
 
     @property
     def schema(self) -> dict[str, str]:
-        """``{column: description}``, e.g. ``{"label": "int64", "features": "array<float32>[32]"}``."""
-        return {c.name: c.describe() for c in self.manifest.columns}
+        """``{column: description}``, e.g. ``{"label": "int64", "features": "array<float32>[32]"}``.
+
+        A dataset Petastorm wrote describes its ``Unischema``'s fields as the loader gives them,
+        e.g. ``"ndarray<float32>[3, 4]"``, ``"image<uint8>[?, ?, 3] (jpeg)"`` (``?``: any length).
+        """
+        fields = {f.name: f for f in self.manifest.fields}
+        return {c.name: fields[c.name].describe() if c.name in fields else c.describe() for c in self.manifest.columns}
 
     def __len__(self) -> int:
         return self.num_rows
@@ -165,7 +173,9 @@ class Dataset(ParquetFiles):
                 :class:`sparkdl.ImageDecoder`; each column's outputs are stacked into one
                 tensor. ``rng`` depends on ``(seed, epoch, row)`` alone, so augmentations are
                 the same with any number of workers and after a resume
-                (:mod:`sparkdl._internal.data.samples`).
+                (:mod:`sparkdl._internal.data.samples`). A Petastorm dataset's ndarray and image
+                columns have default decoders, from its ``Unischema``, which a function given
+                here for the column replaces (:mod:`sparkdl._internal.data.petastorm_codecs`).
             decode_workers: workers running ``decode`` (default: one per core).
             decode_in: ``"threads"`` (functions that release the GIL, like Pillow's decoding)
                 or ``"processes"`` (forked when the loader is made).

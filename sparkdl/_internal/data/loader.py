@@ -45,7 +45,9 @@ Output: a ``dict`` from column name to
 - for variable-length numeric arrays, a 2-D tensor padded with zeros to the longest row of the
   batch, plus ``"<name>_lengths"``, an int64 tensor of the true lengths (a null array is empty);
 - a list of ``bytes`` for binary columns and of ``str`` for strings (``None`` for nulls), unless
-  ``transform`` turns them into tensors.
+  ``transform`` turns them into tensors;
+- for a dataset Petastorm wrote, its ``Unischema``'s ndarray and image columns decoded as
+  Petastorm's reader decodes them, stacked (:mod:`~sparkdl._internal.data.petastorm_codecs`).
 
 Numeric columns must not hold nulls: the loader stops with :class:`~sparkdl.DatasetError` naming
 the column.
@@ -65,6 +67,7 @@ import numpy as np
 
 from sparkdl._internal.common.errors import ConfigError, NotInRunError
 from sparkdl._internal.data.files import ParquetFiles
+from sparkdl._internal.data.petastorm_codecs import with_codecs
 from sparkdl._internal.data.petastorm_reader import check_petastorm
 from sparkdl._internal.data.plan import EpochPlan
 from sparkdl._internal.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
@@ -151,7 +154,7 @@ class Loader:
             raise ConfigError(f"reader={reader!r}: choose 'arrow' (sparkdl's reader) or 'petastorm'")
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable (batch dict -> batch dict); got {type(transform).__name__}")
-        fns = check_decode(decode, decode_workers, decode_in, on_bad_sample)
+        fns = with_codecs(dataset.manifest, check_decode(decode, decode_workers, decode_in, on_bad_sample), columns, reader)
         if fns and reader != "arrow":
             raise ConfigError(
                 f"decode={{{', '.join(map(repr, fns))}: ...}} needs reader='arrow' (each sample's randomness "
@@ -163,17 +166,8 @@ class Loader:
         if device is None and batched:
             device = batched[0]  # batches decoded on a device are for that device
         target, pin = device_and_pin(device, pin_memory, to_device, _run_device)
-        self._plan = EpochPlan(
-            dataset.manifest,
-            dataset.url,
-            batch_size,
-            shuffle=bool(shuffle),
-            seed=seed,
-            drop_last=bool(drop_last),
-            rank=rank,
-            world_size=world_size,
-            shuffle_window=shuffle_window,
-        )
+        self._plan = EpochPlan(dataset.manifest, dataset.url, batch_size, shuffle=bool(shuffle), seed=seed,
+                               drop_last=bool(drop_last), rank=rank, world_size=world_size, shuffle_window=shuffle_window)
         if reader == "petastorm":
             check_petastorm(self._plan, selected, lengths_known=dataset.manifest.written_by_sparkdl)
         self._files = dataset

@@ -60,6 +60,45 @@ class ColumnSpec:
         return self.kind if self.kind != UNSUPPORTED else f"unsupported ({self.dtype})"
 
 
+IMAGE_CODECS = ("png", "jpeg", "webp", "bmp", "tiff")
+"""The image formats of Petastorm's ``CompressedImageCodec`` that sparkdl decodes."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """A column's field in the Petastorm ``Unischema`` stored with the dataset: how its values decode.
+
+    Attributes:
+        name: the field's (and its column's) name.
+        dtype: numpy name of the decoded values' type (``"float32"``, ``"uint8"``, ``"str"``).
+        shape: the declared shape, ``None`` for a dimension of any length; ``()`` for a scalar.
+        codec: ``"ndarray"`` (``NdarrayCodec``: ``np.save`` bytes), ``"compressed_ndarray"``
+            (``CompressedNdarrayCodec``: ``np.savez_compressed``), an image format of
+            :data:`IMAGE_CODECS` (``CompressedImageCodec``), ``"scalar"`` (``ScalarCodec``) or
+            ``None`` (no codec: a plain Parquet value).
+        nullable: whether the field may hold nulls.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+    codec: str | None
+    nullable: bool = False
+
+    @property
+    def encoded(self) -> bool:
+        """Whether the column holds encoded bytes that decode to an array (ndarrays, images)."""
+        return self.codec in ("ndarray", "compressed_ndarray") or self.codec in IMAGE_CODECS
+
+    def describe(self) -> str:
+        """The field as ``Dataset.schema`` shows it, e.g. ``"ndarray<float32>[3, 4]"``, ``"image<uint8>[?, ?, 3] (png)"``."""
+        if not self.encoded:
+            return self.dtype
+        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
+        kind = f"image<{self.dtype}>[{dims}] ({self.codec})" if self.codec in IMAGE_CODECS else f"ndarray<{self.dtype}>[{dims}]"
+        return kind + (" (compressed)" if self.codec == "compressed_ndarray" else "")
+
+
 @dataclass(frozen=True)
 class FileSpec:
     """One Parquet file: its path relative to the dataset root and the rows of its row groups."""
@@ -82,6 +121,8 @@ class Manifest:
     files: tuple[FileSpec, ...]
     written_by_sparkdl: bool = False
     key: str | None = None
+    fields: tuple[FieldSpec, ...] = ()
+    """The Petastorm ``Unischema``'s fields of the columns, for a dataset Petastorm wrote."""
 
     @property
     def num_rows(self) -> int:
@@ -99,6 +140,10 @@ class Manifest:
             if col.name == name:
                 return col
         raise KeyError(name)
+
+    def field(self, name: str) -> FieldSpec | None:
+        """The Petastorm field of column ``name``; None when the dataset has no Unischema for it."""
+        return next((f for f in self.fields if f.name == name), None)
 
     def fingerprint(self) -> str:
         """A short hash of the layout: the same on every rank that sees the same files."""

@@ -1,8 +1,10 @@
 """Opening a path: its sparkdl manifest, or one built from the Parquet footers.
 
 Directories written by plain Spark, by pyarrow or by Petastorm have no manifest; the footers say
-the same (schema, row groups, rows), so the loader plans them alike. Footers are read in
-parallel, except on fsspec filesystems, which may share one connection between threads.
+the same (schema, row groups, rows), so the loader plans them alike. A Petastorm dataset's
+``Unischema`` adds how its columns decode (:mod:`sparkdl._internal.data.petastorm_schema`).
+Footers are read in parallel, except on fsspec filesystems, which may share one connection
+between threads.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
 from sparkdl._internal.data.manifest import ARRAY, MANIFEST_NAME, FileSpec, Manifest, column_spec
+from sparkdl._internal.data.petastorm_schema import with_unischema
 from sparkdl._internal.fs.storage import redact, unreachable
 
 if TYPE_CHECKING:
@@ -158,4 +161,5 @@ def open_manifest(
                 "which already records the array lengths: leave fixed_lengths out"
             )
         return manifest, False
-    return manifest_from_footers(fs, root, url, fixed_lengths), False
+    # A dataset Petastorm wrote: its Unischema says how the columns decode.
+    return with_unischema(manifest_from_footers(fs, root, url, fixed_lengths), fs, root, url), False
