@@ -11,10 +11,9 @@
         for batch in loader:                # {column: tensor}, forever unless num_epochs is given
             ...
 
-It runs where Petastorm's does not: Spark 4, pyarrow >= 15 and Spark Connect (it never reaches
-into ``df._jdf``). Unlike Petastorm's, every shard gets the same number of batches per epoch
-(Petastorm shards by row groups, which hold unequal rows, so ranks run out at different steps
-and a collective hangs); a shard's rows are those of sparkdl's loader (:mod:`sparkdl._internal.data.loader`).
+It runs where Petastorm's does not: Spark 4, pyarrow >= 15 and Spark Connect (never ``df._jdf``).
+Every shard gets the same number of batches per epoch (Petastorm shards by row groups of unequal
+rows, so its ranks run out at different steps and a collective hangs).
 """
 
 from __future__ import annotations
@@ -122,10 +121,11 @@ class SparkDatasetConverter:
                 and size from the environment when set, else one shard of everything, as in
                 Petastorm), ``shuffle_row_groups`` (True), ``shuffle_rows``, ``seed`` (default 0:
                 the same order in every run), ``schema_fields`` (column names, or fields with a
-                ``name``), ``storage_options``; keywords that tune Petastorm's reader pool or
-                cache have no effect; ``transform_spec``: a :class:`TransformSpec` (or Petastorm's),
-                whose ``func`` runs on decode processes one row at a time, with the row's own
-                random draws; ``on_bad_sample`` (sparkdl's: ``"raise"`` or ``"skip"`` a row on which
+                ``name``), ``storage_options``; ``transform_spec``: a :class:`TransformSpec` (or
+                Petastorm's), whose ``func`` runs one row at a time on decode processes, with the
+                row's own random draws (Python's, numpy's and torch's global generators seeded by
+                the row); keywords that tune Petastorm's reader pool or cache have no effect;
+                ``on_bad_sample`` (sparkdl's: ``"raise"`` or ``"skip"`` a row on which
                 ``func`` raises); ``predicate``, ``filters``, ``rowgroup_selector`` and the rest are
                 refused with what to do instead.
 
@@ -154,13 +154,6 @@ class SparkDatasetConverter:
         same converter (the same DataFrame writes to the same place) still reads them: that one's
         delete, or its exit, deletes them."""
         _let_go(self.cache_dir_url)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"cache_dir_url": self.cache_dir_url, "file_urls": self.file_urls, "dataset_size": self.dataset_size,
-                "_dataset": self._dataset}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 class TorchDataLoaderContext:
