@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.data.image_files import BadImage, open_encoded
 from sparkdl._internal.data.images import PILLOW_MAX_PIXELS
 from sparkdl._internal.data.manifest import IMAGE_CODECS, FieldSpec, Manifest
@@ -82,7 +83,41 @@ class DecodedRow:
         self.decoders = dict(decoders)
 
     def __call__(self, row: dict[str, Any], rng: Any) -> Any:
-        return self.fn({k: self.decoders[k](v, rng) if k in self.decoders else v for k, v in row.items()}, rng)
+        return self.fn(self._decoded(row, rng), rng)
+
+    def _decoded(self, row: dict[str, Any], rng: Any) -> dict[str, Any]:
+        return {k: self.decoders[k](v, rng) if k in self.decoders else v for k, v in row.items()}
+
+    def run_chunk(self, rows: list[dict[str, Any]], rngs: list[Any]) -> list[Any]:
+        """Consecutive rows (see :meth:`RowTransform.run_chunk`): each decoded alone, a value that
+        does not decode that row's exception, then the good ones through ``fn`` together when it
+        takes chunks; each generator is drawn from in the order a row alone draws (fields, fn)."""
+        results: list[Any] = [None] * len(rows)
+        good: list[tuple[int, dict[str, Any]]] = []
+        for i, (row, rng) in enumerate(zip(rows, rngs, strict=True)):
+            try:
+                good.append((i, self._decoded(row, rng)))
+            except ConfigError:
+                raise
+            except Exception as exc:
+                results[i] = exc
+        chunked = getattr(self.fn, "run_chunk", None)
+        if chunked is not None:
+            done = chunked([d for _, d in good], [rngs[i] for i, _ in good]) if good else []
+        else:
+            done = [_call(self.fn, d, rngs[i]) for i, d in good]
+        for (i, _), out in zip(good, done, strict=True):
+            results[i] = out
+        return results
+
+
+def _call(fn: SampleFn, row: dict[str, Any], rng: Any) -> Any:
+    try:
+        return fn(row, rng)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        return exc
 
 
 def with_codecs(manifest: Manifest, fns: Mapping[str, SampleFn], columns: Sequence[str] | str | None,

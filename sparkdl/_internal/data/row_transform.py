@@ -3,13 +3,18 @@
 Petastorm's converter calls a ``TransformSpec``'s ``func`` on each batch of rows, as a pandas
 DataFrame, in its reader's worker pool; the image tutorials decode and augment photos there
 (``edit_fields=[("features", np.float32, (3, 224, 224), False)]``). sparkdl calls the same
-``func`` on a DataFrame of one row, on the loader's decode workers (processes by default, since
-such functions are pure Python and draw from the global generators), beside the reader:
+``func`` on the loader's decode workers (processes by default, since such functions are pure
+Python and draw from the global generators), beside the reader:
 
-- **The random draws are the row's.** Before each call the worker seeds Python's ``random``,
-  numpy's global generator and torch's from the row's own generator (``[seed, epoch, row]``),
-  so a row gets the same augmentation with any number of workers, on any rank, after a resume and
-  on every rerun; Petastorm's draws depend on which worker took which batch.
+- **The random draws are the row's.** A ``func`` that draws from Python's ``random``, numpy's
+  global generator or torch's is called on one row at a time, each seeded from the row's own
+  generator (``[seed, epoch, row]``), so a row gets the same augmentation with any number of
+  workers, on any rank, after a resume and on every rerun; Petastorm's draws depend on which
+  worker took which batch. One that draws nothing is called on a decode chunk's rows at once
+  (a DataFrame a row cost more than the work of a small image), which gives each row the very
+  output a call of its own would (for a ``func`` that treats rows alone, as Petastorm's batches
+  of any size assume); whether it draws is seen by the generators' states around the
+  call, chunk by chunk, and the first chunk it draws in is done again row by row.
 - **Declared fields are checked.** A field of ``edit_fields`` whose value ``func`` returned with
   another dtype or shape is a :class:`~sparkdl.ConfigError` naming the field, the declared and
   the returned (in Petastorm, a failure deep in its workers). ``None`` in a declared shape matches
@@ -106,18 +111,52 @@ class RowTransform:
     def __init__(self, spec: TransformSpec) -> None:
         self.spec = spec
         self.fields = fields(spec)
+        self._draws = False  # seen drawing from a global generator: rows one by one from then on
 
     def __call__(self, row: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+        return self._one(row, int(rng.integers(2**32)))
+
+    def run_chunk(self, rows: list[dict[str, Any]], rngs: list[np.random.Generator]) -> list[Any]:
+        """The outputs of consecutive rows (an exception for a row ``func`` failed on), from one
+        call of ``func`` on them all while it draws nothing from the global generators: the
+        per-row results exactly, without a DataFrame a row. The first chunk on which it draws
+        is done again row by row, and so is every chunk after it in this worker."""
         import pandas as pd
 
-        _seed_globals(int(rng.integers(2**32)))
-        frame = _frame(pd, row)
-        out = self.spec.func(frame) if self.spec.func is not None else frame
-        if not isinstance(out, pd.DataFrame) or len(out) != 1:
+        seeds = [int(rng.integers(2**32)) for rng in rngs]
+        if self.spec.func is not None and not self._draws and len(rows) > 1:
+            _seed_globals(_PROBE_SEED)
+            before = _generators()
+            try:
+                out = self.spec.func(_frame(pd, rows))
+            except Exception:
+                out = None  # the row it failed on is found, and named, row by row
+            if _generators() != before:
+                self._draws = True
+            elif out is not None:
+                return self._outputs(pd, out, len(rows))
+        results: list[Any] = []
+        for row, seed in zip(rows, seeds, strict=True):
+            try:
+                results.append(self._one(row, seed))
+            except ConfigError:
+                raise
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def _one(self, row: dict[str, Any], seed: int) -> dict[str, Any]:
+        import pandas as pd
+
+        _seed_globals(seed)
+        return self._outputs(pd, self.spec.func(_frame(pd, [row])) if self.spec.func is not None else _frame(pd, [row]), 1)[0]
+
+    def _outputs(self, pd: Any, out: Any, n: int) -> list[dict[str, Any]]:
+        if not isinstance(out, pd.DataFrame) or len(out) != n:
             raise ConfigError(
                 f"TransformSpec(func={getattr(self.spec.func, '__name__', self.spec.func)!r}) must return a pandas "
                 f"DataFrame of the rows it was given; it returned {type(out).__name__}"
-                + (f" of {len(out)} rows for 1" if isinstance(out, pd.DataFrame) else "")
+                + (f" of {len(out)} rows for {n}" if isinstance(out, pd.DataFrame) else "")
             )
         names = list(self.spec.selected_fields) if self.spec.selected_fields is not None else [
             c for c in out.columns if c not in set(self.spec.removed_fields or ())]
@@ -125,11 +164,13 @@ class RowTransform:
         if missing:
             raise ConfigError(f"TransformSpec selected_fields names {missing}, which func did not return; it "
                               f"returned {list(out.columns)}")
-        result = {n: out[n].iloc[0] for n in names}
+        columns = {name: out[name].to_list() for name in names}
+        results = [{name: values[i] for name, values in columns.items()} for i in range(n)]
         for name, dtype, shape, nullable in self.fields:
-            if name in result:
-                result[name] = _checked(name, result[name], dtype, shape, nullable)
-        return result
+            if name in columns:
+                for result in results:
+                    result[name] = _checked(name, result[name], dtype, shape, nullable)
+        return results
 
 
 def _checked(name: str, value: Any, dtype: np.dtype, shape: tuple[Any, ...], nullable: bool) -> Any:
@@ -150,25 +191,41 @@ def _checked(name: str, value: Any, dtype: np.dtype, shape: tuple[Any, ...], nul
     return array
 
 
-def _frame(pd: Any, row: dict[str, Any]) -> Any:
-    """A one-row DataFrame of ``row``, built for speed: it is made for every row (190 us with
-    pandas' dict of lists, 37 us from one-element arrays without pandas' checks)."""
-    arrays = [_one(v) for v in row.values()]
+def _frame(pd: Any, rows: list[dict[str, Any]]) -> Any:
+    """A DataFrame of ``rows``, built for speed: one is made for every row a function that draws
+    is given (190 us with pandas' dict of lists, 37 us from arrays without pandas' checks)."""
+    names = list(rows[0])
+    arrays = [_column([row[name] for row in rows]) for name in names]
     try:
-        return pd.DataFrame._from_arrays(arrays, columns=pd.Index(list(row)), index=pd.RangeIndex(1),
+        return pd.DataFrame._from_arrays(arrays, columns=pd.Index(names), index=pd.RangeIndex(len(rows)),
                                          verify_integrity=False)
     except (AttributeError, TypeError):  # a pandas without it
-        return pd.DataFrame(dict(zip(row, arrays, strict=True)), copy=False)
+        return pd.DataFrame(dict(zip(names, arrays, strict=True)), copy=False)
 
 
-def _one(value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        return value.reshape(1)
-    out = np.empty(1, dtype=object) if not isinstance(value, (int, float, bool, np.number, np.bool_)) else None
-    if out is None:
-        return np.asarray([value])
-    out[0] = value
+def _column(values: list[Any]) -> np.ndarray:
+    if all(isinstance(v, (int, float, bool, np.number, np.bool_)) for v in values):
+        return np.asarray(values)
+    if len(values) == 1 and isinstance(values[0], np.ndarray) and values[0].ndim == 0:
+        return values[0].reshape(1)
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
     return out
+
+
+# The seed the globals get before a chunk's call: whether the call moved them is all that counts.
+_PROBE_SEED = 0x5EED
+
+
+def _generators() -> tuple[Any, ...]:
+    """Where the global generators stand: Python's, numpy's and torch's CPU one."""
+    import sys
+
+    state = np.random.get_state(legacy=False)
+    torch = sys.modules.get("torch")
+    return (random.getstate(), int(state["state"]["pos"]), bytes(state["state"]["key"].tobytes()),
+            state["has_gauss"], None if torch is None else bytes(torch.default_generator.get_state().numpy().tobytes()))
 
 
 def _seed_globals(seed: int) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import os
@@ -147,13 +148,19 @@ def _run(fns: Mapping[str, SampleFn], seed: int, epoch: int, work: Sequence[tupl
     """``fn(value, rng)`` for each ``(column, value, row)``; an exception is returned, not raised,
     so that one bad sample does not hide the others of its chunk."""
     out: list[Any] = []
-    for name, value, row in work:
-        try:
-            out.append(fns[name](value, sample_rng(seed, epoch, row)))
-        except ConfigError:
-            raise  # the function's settings are wrong (a declared field it did not return): no sample is
-        except Exception as e:  # handed to the loader, which names the row
-            out.append(_Failed(f"{type(e).__name__}: {e}"))
+    for name, group in itertools.groupby(work, key=lambda item: item[0]):
+        items = list(group)
+        if (chunked := getattr(fns[name], "run_chunk", None)) is not None:  # a TransformSpec's rows at once
+            done = chunked([v for _, v, _ in items], [sample_rng(seed, epoch, r) for _, _, r in items])
+            out.extend(_Failed(f"{type(e).__name__}: {e}") if isinstance(e, Exception) else e for e in done)
+            continue
+        for _, value, row in items:
+            try:
+                out.append(fns[name](value, sample_rng(seed, epoch, row)))
+            except ConfigError:
+                raise  # the function's settings are wrong (a declared field it did not return): no sample is
+            except Exception as e:  # handed to the loader, which names the row
+                out.append(_Failed(f"{type(e).__name__}: {e}"))
     return out
 
 

@@ -118,3 +118,50 @@ def test_a_spec_of_petastorms_own_shape_is_taken(converter: SparkDatasetConverte
     assert sorted(batch) == ["features", "label"] and batch["features"].shape == (6, 3, 32, 32)
     with pytest.raises(ConfigError, match="removed_fields or selected_fields, not both"):
         TransformSpec(augment, removed_fields=["a"], selected_fields=["b"])
+
+
+def test_a_func_that_draws_nothing_runs_on_many_rows_at_once_and_gives_each_rows_own_output() -> None:
+    """Per-row calls cost a DataFrame a row; a func that draws nothing from the global generators
+    is called on the decode chunk's rows at once, and must give exactly the per-row outputs.
+    A func that draws (here on one row only) is caught and run row by row, each row seeded."""
+    from sparkdl._internal.data.row_transform import RowTransform, from_petastorm
+    from sparkdl._internal.data.samples import sample_rng
+
+    calls: list[int] = []
+
+    def double(pdf: Any) -> Any:
+        calls.append(len(pdf))
+        pdf["y"] = pdf["x"] * 2
+        return pdf
+
+    def noisy_on_two(pdf: Any) -> Any:
+        calls.append(len(pdf))
+        pdf["y"] = [x + (random.random() if x == 2 else 0.0) for x in pdf["x"]]
+        if 5 in set(pdf["x"]):
+            raise ValueError("row 5 is broken")
+        return pdf
+
+    rows = [{"x": float(i)} for i in range(6)]
+
+    def names(results: list[Any]) -> list[Any]:
+        return [type(r).__name__ if isinstance(r, Exception) else r for r in results]
+
+    for func in (double, noisy_on_two):
+        spec = from_petastorm(TransformSpec(func, edit_fields=[("y", np.float64, (), False)]))
+        transform = RowTransform(spec)  # one decode worker's
+        calls.clear()
+        first = transform.run_chunk(rows, [sample_rng(0, 0, i) for i in range(6)])
+        second = transform.run_chunk(rows, [sample_rng(0, 0, i) for i in range(6)])
+        chunk_calls = list(calls)
+        one_by_one = []
+        for i, row in enumerate(rows):
+            try:
+                one_by_one.append(RowTransform(spec)(dict(row), sample_rng(0, 0, i)))
+            except ValueError as exc:
+                one_by_one.append(exc)
+        assert names(first) == names(one_by_one) and names(second) == names(one_by_one)
+        if func is double:
+            assert chunk_calls == [6, 6] and not transform._draws  # one call a chunk
+        else:  # the first chunk's call drew: discarded, each row alone, seeded; the next chunk too
+            assert chunk_calls == [6] + [1] * 6 + [1] * 6 and transform._draws, chunk_calls
+            assert isinstance(first[5], ValueError) and first[2]["y"] != 2.0 and first[1]["y"] == 1.0

@@ -123,6 +123,28 @@ def test_a_transform_of_whole_rows_sees_decoded_fields() -> None:
     assert set(seen) == {("ndarray", (3, 4))} and len(rows["total"]) == 6
 
 
+def test_a_transform_spec_over_a_petastorm_dataset_takes_its_rows_decoded_a_chunk_at_once() -> None:
+    """The converter's TransformSpec path (a RowTransform) over the decoded fields: a func that
+    draws nothing runs on many rows a call, and gives each row what it gives it alone."""
+    from sparkdl._internal.data.row_transform import RowTransform, TransformSpec
+
+    expected = np.load(EXPECTED, allow_pickle=False)
+    calls: list[int] = []
+
+    def total(pdf: Any) -> Any:
+        calls.append(len(pdf))
+        pdf["total"] = [np.float64(m.sum()) for m in pdf["matrix"]]
+        return pdf[["id", "total"]]
+
+    spec = TransformSpec(total, edit_fields=[("total", np.float64, (), False)], selected_fields=["id", "total"])
+    loader = sparkdl.Dataset(FIXTURE).loader(6, rank=0, world_size=1, shuffle=False, decode={ROW: RowTransform(spec)},
+                                             columns=["id", "matrix"], decode_in="threads", decode_workers=1)
+    [batch] = list(loader)
+    by_id = dict(zip((int(i) for i in batch["id"]), (float(t) for t in batch["total"]), strict=True))
+    assert by_id == {int(i): float(m.sum()) for i, m in zip(expected["id"], expected["matrix"], strict=True)}
+    assert calls == [2, 2, 2], calls  # a batch of 6 rows, in chunks of a quarter per worker
+
+
 class _Payload:
     """Unpickled by a trusting reader, this runs ``fn(arg)``: what a planted file would carry."""
 
