@@ -26,8 +26,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${SPARKDL_STACK:-modern}"
 case "$STACK" in
   modern) DEFAULT_VENV="$ROOT/.venv"; EXTRAS="dev,connect,docs" ;;
-  # Petastorm needs pyarrow < 15, which only this stack has.
-  classic) DEFAULT_VENV="$ROOT/.venv-classic"; EXTRAS="dev,petastorm" ;;
+  # Petastorm needs pyarrow < 15, which only this stack has; its image codec writes with OpenCV.
+  classic) DEFAULT_VENV="$ROOT/.venv-classic"; EXTRAS="dev,petastorm,petastorm-images" ;;
   *) echo "[bootstrap] SPARKDL_STACK=$STACK: choose modern or classic" >&2; exit 1 ;;
 esac
 VENV="${SPARKDL_VENV:-$DEFAULT_VENV}"

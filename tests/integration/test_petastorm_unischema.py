@@ -1,9 +1,9 @@
 """The classic stack: a dataset real Petastorm writes with a Unischema, read back by Petastorm's
 ``make_reader`` and by ``sparkdl.Dataset``, field by field (issue 55).
 
-Runs where Petastorm imports (.venv-classic). The image codec needs OpenCV, which the classic
-stack does not install: that test runs where ``cv2`` imports (tests/resources/write_petastorm_fixture.py
-says how); the stored fixture of tests/unit/data/test_petastorm_format.py covers images everywhere.
+Runs where Petastorm imports (.venv-classic). Petastorm's image codec needs OpenCV, which the
+classic stack installs (the ``petastorm-images`` extra); elsewhere that test is skipped, and the
+stored fixture of tests/unit/data/test_petastorm_format.py covers images on every stack.
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@ this stored dataset with ``sparkdl.Dataset`` and compare every field with the va
 ``make_reader`` decoded here. JPEG is lossy, so the JPEG column is compared with what Petastorm
 decoded, not with the array that was encoded.
 
-Run again (classic stack; Petastorm's image codec needs OpenCV, which that stack does not
-install: ``pip install --target /tmp/cv2 opencv-python-headless`` and ``PYTHONPATH=/tmp/cv2``)::
+Run again on the classic stack (Petastorm, and OpenCV for its image codec)::
 
-    PYTHONPATH=/tmp/cv2 .venv-classic/bin/python tests/resources/write_petastorm_fixture.py
+    .venv-classic/bin/python tests/resources/write_petastorm_fixture.py
 
 The script starts a local Spark session of its own (loopback, no UI) and stops it.
 """
