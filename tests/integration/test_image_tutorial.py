@@ -91,6 +91,17 @@ def _net() -> Any:
                                torch.nn.Flatten(), torch.nn.Linear(4, len(CLASSES)))
 
 
+def _step(model: Any, optimizer: Any, batch: dict[str, Any]) -> float:
+    """One training step of the tutorial's loop on a batch of the converter's loader."""
+    import torch
+
+    loss = torch.nn.functional.cross_entropy(model(batch["features"]), batch["label_index"].long())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(loss.item())
+
+
 @pytest.fixture(params=CONVERTERS)
 def converter(request, spark, images, tmp_path: Path):  # type: ignore[no-untyped-def]
     module = importlib.import_module(request.param)
@@ -116,12 +127,8 @@ def test_a_learning_rate_search_with_sparktrials_reads_the_cache_on_executors(co
         rows, losses = 0, []
         with conv.make_torch_dataloader(transform_spec=spec, batch_size=4, num_epochs=2) as loader:
             for batch in loader:
-                loss = torch.nn.functional.cross_entropy(model(batch["features"]), batch["label_index"].long())
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+                losses.append(_step(model, optimizer, batch))
                 rows += len(batch["id"])
-                losses.append(loss.item())
         return {"loss": float(np.mean(losses[-4:])), "status": hyperopt.STATUS_OK, "rows": rows}
 
     trials = hyperopt.SparkTrials(parallelism=2)
@@ -158,10 +165,7 @@ def test_horovodrunner_trains_on_the_converters_shards_and_averages_the_validati
         trained = 0
         with conv.make_torch_dataloader(transform_spec=spec, batch_size=4, num_epochs=1, **shard) as loader:
             for batch in loader:
-                loss = torch.nn.functional.cross_entropy(model(batch["features"]), batch["label_index"].long())
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+                _step(model, optimizer, batch)
                 trained += len(batch["id"])
         ids, losses = [], []
         with torch.no_grad(), conv.make_torch_dataloader(transform_spec=spec, batch_size=4, num_epochs=1,
