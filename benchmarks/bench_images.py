@@ -12,7 +12,9 @@ samples that process tree's memory (RSS of the process and its workers, summed, 
   the same function, one decode worker per core.
 - **sparkdl's converter, TransformSpec**: ``sparkdl.compat.petastorm``'s ``make_torch_dataloader``
   over the same files with the same ``TransformSpec`` as Petastorm's way below (the user's
-  function over each pandas batch): sparkdl runs it one row at a time on decode processes.
+  function over each pandas batch) on decode processes: a chunk of rows a call, since that
+  function draws from a generator of its own; ``-global``: the same function drawing from numpy's
+  global generator, which sparkdl then calls one row at a time, each seeded from the row.
 - **sparkdl, ImageDecoder**: sparkdl's own decoder (the same crop and flip, decoded at a smaller
   scale in the DCT domain when the crop allows, uint8 throughout).
 - **sparkdl, DALI** (when NVIDIA DALI is installed: ``SPARKDL_WITH_DALI=1 bash tools/bootstrap.sh``):
@@ -54,7 +56,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-WAYS = ("dataloader", "sparkdl-user-threads", "sparkdl-user-processes", "sparkdl-transformspec", "sparkdl-imagedecoder",
+WAYS = ("dataloader", "sparkdl-user-threads", "sparkdl-user-processes", "sparkdl-transformspec",
+        "sparkdl-transformspec-global", "sparkdl-imagedecoder",
         "sparkdl-dali")
 
 
@@ -142,11 +145,32 @@ def way_sparkdl(dataset: str, batch: int, epochs: int, decoder: str, kind: str) 
         loader.close()
 
 
-def _spec(transform_spec: Any) -> Any:
-    """The tutorial's TransformSpec: the user's function over each pandas batch's photos."""
+class _GlobalDraws:
+    """numpy's global generator with the methods ``user_decode`` calls, as a function that draws
+    from ``np.random`` (or torchvision's transforms, from torch's) has it."""
+
+    def uniform(self, low: float, high: float) -> float:
+        import numpy as np
+
+        return float(np.random.uniform(low, high))
+
+    def integers(self, low: int, high: int) -> int:
+        import numpy as np
+
+        return int(np.random.randint(low, high))
+
+    def random(self) -> float:
+        import numpy as np
+
+        return float(np.random.random())
+
+
+def _spec(transform_spec: Any, global_draws: bool = False) -> Any:
+    """The tutorial's TransformSpec: the user's function over each pandas batch's photos, drawing
+    from a generator of its own, or (``global_draws``) from numpy's global one."""
     import numpy as np
 
-    rng = np.random.default_rng(0)
+    rng = _GlobalDraws() if global_draws else np.random.default_rng(0)
 
     def transform(pdf: Any) -> Any:
         pdf["content"] = [user_decode(bytes(v), rng) for v in pdf["content"]]
@@ -155,14 +179,14 @@ def _spec(transform_spec: Any) -> Any:
     return transform_spec(transform, edit_fields=[("content", np.uint8, (3, 224, 224), False)])
 
 
-def way_sparkdl_spec(dataset: str, batch: int, epochs: int) -> dict[str, float]:
+def way_sparkdl_spec(dataset: str, batch: int, epochs: int, global_draws: bool = False) -> dict[str, float]:
     import sparkdl
     from sparkdl.compat.petastorm import SparkDatasetConverter, TransformSpec
 
     ds = sparkdl.Dataset(dataset)
     converter = SparkDatasetConverter(ds.url, [], ds.num_rows)
     n = len(converter)
-    with converter.make_torch_dataloader(batch_size=batch, num_epochs=None, transform_spec=_spec(TransformSpec),
+    with converter.make_torch_dataloader(batch_size=batch, num_epochs=None, transform_spec=_spec(TransformSpec, global_draws),
                                          schema_fields=["content"], cur_shard=0, shard_count=1) as loader:
         it = iter(loader)
 
@@ -232,8 +256,8 @@ def child(argv: list[str]) -> None:
         out = way_petastorm(where, batch, epochs)
     elif way == "ray":
         out = way_ray(where, batch, epochs)
-    elif way == "sparkdl-transformspec":
-        out = way_sparkdl_spec(where, batch, epochs)
+    elif way in ("sparkdl-transformspec", "sparkdl-transformspec-global"):
+        out = way_sparkdl_spec(where, batch, epochs, global_draws=way.endswith("global"))
     else:
         decoder = way.rsplit("-", 1)[1] if way.endswith(("imagedecoder", "dali")) else "user"
         out = way_sparkdl(where, batch, epochs, decoder, "processes" if way.endswith("processes") else "threads")
