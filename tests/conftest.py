@@ -99,6 +99,11 @@ def tier_of(path: Path) -> str:
     return rel.parts[0]
 
 
+# The stack that runs the namespaced hosts (tests/cluster/test_netns_hosts.py) for both when both
+# run; the other runs the loopback standalone cluster's jobs instead (tests/cluster/test_standalone.py).
+NETNS_STACK = "classic"
+
+
 def running_stacks() -> list[str]:
     """The stacks this invocation of tools/test runs (``SPARKDL_TEST_STACKS``); [] when unknown."""
     return os.environ.get("SPARKDL_TEST_STACKS", "").split()
@@ -346,10 +351,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     every = config.getoption("--every-stack")
     for item in items:
         path = Path(str(item.fspath))
-        reason = stack_rule.one_stack_enough(path, tiers[item.nodeid])
-        if reason is None or item.get_closest_marker("both_stacks"):
-            continue
-        home, why = (stack, "") if every else stack_rule.home_stack(path, running, stack)
+        if (scenario := item.get_closest_marker("one_stack")) is not None:
+            # A whole program whose stack-dependent paths other tests walk on both stacks.
+            reason, home = scenario.args[1], scenario.args[0]
+            home, why = (stack, "") if every or set(running) != {"modern", "classic"} else (home, "its marker's choice")
+        else:
+            reason = stack_rule.one_stack_enough(path, tiers[item.nodeid])
+            if reason is None or item.get_closest_marker("both_stacks"):
+                continue
+            home, why = (stack, "") if every else stack_rule.home_stack(path, running, stack)
         where = str(path.relative_to(REPO))
         if home == stack:
             kept.setdefault(where, [0, reason])[0] += 1

@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import JVM_ARCHIVE, REPO
+from conftest import JVM_ARCHIVE, NETNS_STACK, REPO
 from resources.digits_jobs import check_scored, check_trained
 
 ROOT = REPO
@@ -35,7 +35,14 @@ DRIVER = ROOT / "tests" / "resources" / "netns_driver.py"
 RUN_TIMEOUT_S = 420
 PARTITION_TIMEOUT_S = 8  # collective_timeout_s of the run that host 2's partition hits
 
-pytestmark = [pytest.mark.spark, pytest.mark.cluster]
+pytestmark = [
+    pytest.mark.spark, pytest.mark.cluster,
+    # Hosts of a cluster, whole: the launch, rerun and bound paths they take run on both stacks in
+    # tests/cluster (local-cluster, standalone) and tests/integration; Spark 3.5 is what most
+    # multi-host clusters run today.
+    pytest.mark.one_stack(NETNS_STACK, "namespaced hosts of a standalone cluster, whole programs whose stack-dependent "
+                          "paths tests/cluster and tests/integration walk on both stacks"),
+]
 
 
 

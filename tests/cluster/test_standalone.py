@@ -43,8 +43,12 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
 
     # Where namespaced hosts can be made, tests/cluster/test_netns_hosts.py runs the same jobs and the
     # same doctor checks, with every assertion made here, on a standalone cluster of two hosts: this
-    # loopback one is for the machines that cannot (not root), and for --every-stack.
-    if netns_cluster.NetnsCluster.available() is None and not request.config.getoption("--every-stack"):
+    # loopback one is for the machines that cannot (not root), for --every-stack, and for the stack
+    # that leaves the namespaced hosts to the other (their one_stack marker).
+    from conftest import NETNS_STACK, current_stack, running_stacks
+
+    hosts_here = set(running_stacks()) != {"modern", "classic"} or current_stack() == NETNS_STACK
+    if netns_cluster.NetnsCluster.available() is None and hosts_here and not request.config.getoption("--every-stack"):
         pytest.skip("the namespaced hosts run these (tests/cluster/test_netns_hosts.py: test_the_jobs_by_spark_submit, "
                     "test_doctor_names_both_hosts_the_shared_directories_the_gpus_and_missing_slots)")
     c = sc_mod.StandaloneCluster(
