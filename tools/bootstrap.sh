@@ -93,6 +93,61 @@ ensure_chromium() {
   DEBIAN_FRONTEND=noninteractive apt_turn apt-get install -y -q chromium >&2
 }
 
+# A venv set up here is kept as a template (a copy, not links), keyed by everything that decides
+# its contents; a checkout without a venv (CI's fresh clone) starts from a copy of it: 40 s to copy
+# the modern stack's 4.9 GB against about 290 s to install it (2026-11-29). SPARKDL_VENV_CACHE=0:
+# neither kept nor used.
+TEMPLATES="${SPARKDL_VENV_CACHE:-$HOME/.cache/sparkdl/venvs}"
+
+template_of() {
+  local key
+  key="$({ cat "$ROOT/pyproject.toml" "$CONSTRAINTS" "$ROOT/tools/bootstrap.sh" "$ROOT/tools/build-horovod.sh" \
+             "$ROOT/tools/pyspark_bytecode.py"
+           echo "$STACK $TORCH_REQ $TORCH_INDEX $WITH_TENSORFLOW $WITH_DALI $WITH_HOROVOD"
+           "$PYTHON" -VV; } | sha256sum | cut -c1-16)"
+  echo "$TEMPLATES/$STACK-$key"
+}
+
+from_template() {
+  # A venv from the template, when there is none and a template of the same key is: its scripts
+  # (shebangs, activate) moved to this venv's path, and this checkout installed editable in it.
+  [ "$TEMPLATES" != "0" ] && [ ! -e "$VENV" ] || return 0
+  local template made_at tmp
+  template="$(template_of)"
+  [ -f "$template/.sparkdl-template" ] || return 0
+  made_at="$(cat "$template/.sparkdl-template")"
+  log "copying the $STACK venv kept with the same pins ($template) to $VENV"
+  tmp="$VENV.copy-$$"
+  rm -rf "$tmp"
+  if ! cp -a "$template" "$tmp"; then
+    rm -rf "$tmp"
+    log "the copy failed; installing instead"
+    return 0
+  fi
+  rm -f "$tmp/.sparkdl-template"
+  grep -rlI --null -F "$made_at" "$tmp/bin" "$tmp/pyvenv.cfg" | xargs -0 -r sed -i "s|$made_at|$VENV|g"
+  mv "$tmp" "$VENV"
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >&2
+}
+
+keep_template() {
+  # After a set-up that made the venv by installing: this venv as the template of its key, the
+  # stack's older templates removed (one per stack is kept).
+  [ "$TEMPLATES" != "0" ] || return 0
+  local template tmp
+  template="$(template_of)"
+  [ -f "$template/.sparkdl-template" ] && return 0
+  mkdir -p "$TEMPLATES"
+  tmp="$template.tmp-$$"
+  rm -rf "$tmp"
+  if cp -a "$VENV" "$tmp" && echo "$VENV" > "$tmp/.sparkdl-template"; then
+    find "$TEMPLATES" -maxdepth 1 -name "$STACK-*" ! -name "*.tmp-*" -exec rm -rf {} + 2>/dev/null || true
+    mv "$tmp" "$template" && log "kept this venv as the template for the next set-up with the same pins"
+  else
+    rm -rf "$tmp"
+  fi
+}
+
 ensure_venv() {
   local stamp_file="$VENV/.sparkdl-stamp"
   local want
@@ -186,6 +241,9 @@ ensure_horovod() {
 ensure_java
 ensure_netns_tools
 ensure_chromium
+fresh="$([ -e "$VENV" ] && echo 0 || echo 1)"  # no venv here yet: the template's, or one installed now
+from_template
+[ "$fresh" = 1 ] && [ -f "$VENV/.sparkdl-stamp" ] && fresh=0  # copied from the template
 ensure_venv
 ensure_tensorflow
 ensure_dali
@@ -195,3 +253,4 @@ ensure_project_bytecode
 # Read by tools/build-horovod.sh, so that a venv gets its own stack's pins.
 [ "$(cat "$VENV/.sparkdl-stack" 2>/dev/null)" = "$STACK" ] || echo "$STACK" > "$VENV/.sparkdl-stack"
 ensure_horovod
+[ "$fresh" = 0 ] || keep_template
