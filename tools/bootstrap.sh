@@ -137,7 +137,7 @@ keep_template() {
   local template tmp
   template="$(template_of)"
   [ -f "$template/.sparkdl-template" ] && return 0
-  mkdir -p "$TEMPLATES"
+  mkdir -p "$TEMPLATES" 2>/dev/null || return 0
   tmp="$template.tmp-$$"
   rm -rf "$tmp"
   if cp -a "$VENV" "$tmp" && echo "$VENV" > "$tmp/.sparkdl-template"; then
