@@ -9,10 +9,11 @@ Two files in the directory keep them apart, each small JSON, never a pickle:
   still renewed (or its driver process alive on this host) is refused before it starts, with a
   message naming both runs. A lease nobody renews within ``checkpoint_lease_s`` (its driver died)
   is taken over, and what that run left half-written is removed.
-- ``.sparkdl-attempt.json``, the attempt fence, written by rank 0 of each attempt before it
-  first reads or writes a checkpoint (:func:`claim`) and read again right before every commit
-  (:func:`check`): an attempt older than the one named there is stale, and its commit is
-  refused, not merged.
+- ``.sparkdl-attempt.json``, the attempt fence, claimed by rank 0 of each attempt before it
+  first reads a checkpoint and again before every write and right before every commit
+  (:func:`claim`): an attempt older than the one named there is stale, and its commit is
+  refused, not merged; an attempt that saves before it ever restores moves the fence on from
+  the attempt before it.
 
 Clocks are never compared across hosts: a lease is alive while its renewal counter moves (or,
 on the same host, while its process lives).
@@ -125,13 +126,6 @@ def claim(url: str, writer: Writer) -> None:
         raise StaleWriterError(f"checkpoint directory {redact(url)}: {why}")
     if found is None or found.get("attempt") != writer.attempt or found.get("run") != writer.run:
         _write(fs, posixpath.join(root, ATTEMPT_FILE), {"run": writer.run, "attempt": writer.attempt})
-
-
-def check(url: str, writer: Writer) -> None:
-    """Raises StaleWriterError unless ``writer`` still owns the directory (right before a commit);
-    claims it when nobody does, or an older attempt of its run did (an attempt that saves before
-    it ever restores: the fence must move on from the attempt before, or that one could commit)."""
-    claim(url, writer)
 
 
 # -- the run's lease, held by the driver ----------------------------------------------------------

@@ -50,9 +50,9 @@ _NAME = re.compile(r"^ckpt-(\d{8})\.(pt|json)$")
 _SHARDS = re.compile(r"^shards-(\d{8})-(?:([0-9a-f]+-\d+)-)?[0-9a-f]+$")
 _TMP = re.compile(r"^\.tmp-ckpt-\d{8}-(?:([0-9a-f]+-\d+)-)?[0-9a-f]{32}$")
 SHARDED = "sparkdl_sharded"
+"""The key that marks a sharded checkpoint's commit file (see :mod:`sparkdl._internal.train.sharded`)."""
 # Of a skipped checkpoint's reason, what goes to the driver (its record must fit one atomic write).
 _REASON_CHARS = 1000
-"""The key that marks a sharded checkpoint's commit file (see :mod:`sparkdl._internal.train.sharded`)."""
 
 
 class CheckpointStore:
@@ -216,13 +216,13 @@ class CheckpointStore:
                     "TrainState(...), or to CheckpointStore.save and .load)"
                 )
         if self.writer is not None:
-            fence.check(self.url, self.writer)
+            fence.claim(self.url, self.writer)
         fs, root = self._fs()
         make_dirs(fs, root)
         data = buf.getbuffer()
         self._put(fs, root, seq, records.data_name(seq), data)
         if self.writer is not None:
-            fence.check(self.url, self.writer)  # again, right before the commit point
+            fence.claim(self.url, self.writer)  # again, right before the commit point
         self._put(fs, root, seq, records.record_name(seq),
                   records.build(seq, data, self.writer.tag if self.writer else None, shards))
         self._let_go(fs, root, seq)
