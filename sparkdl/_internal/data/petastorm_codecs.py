@@ -33,10 +33,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.data.image_files import BadImage, open_encoded
 from sparkdl._internal.data.images import PILLOW_MAX_PIXELS
 from sparkdl._internal.data.manifest import IMAGE_CODECS, FieldSpec, Manifest
+from sparkdl._internal.data.row_transform import outcome
 from sparkdl._internal.data.samples import ROW, SampleFn
 
 if TYPE_CHECKING:
@@ -95,29 +95,19 @@ class DecodedRow:
         results: list[Any] = [None] * len(rows)
         good: list[tuple[int, dict[str, Any]]] = []
         for i, (row, rng) in enumerate(zip(rows, rngs, strict=True)):
-            try:
-                good.append((i, self._decoded(row, rng)))
-            except ConfigError:
-                raise
-            except Exception as exc:
-                results[i] = exc
+            decoded = outcome(self._decoded, row, rng)
+            if isinstance(decoded, Exception):
+                results[i] = decoded
+            else:
+                good.append((i, decoded))
         chunked = getattr(self.fn, "run_chunk", None)
         if chunked is not None:
             done = chunked([d for _, d in good], [rngs[i] for i, _ in good]) if good else []
         else:
-            done = [_call(self.fn, d, rngs[i]) for i, d in good]
+            done = [outcome(self.fn, d, rngs[i]) for i, d in good]
         for (i, _), out in zip(good, done, strict=True):
             results[i] = out
         return results
-
-
-def _call(fn: SampleFn, row: dict[str, Any], rng: Any) -> Any:
-    try:
-        return fn(row, rng)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        return exc
 
 
 def with_codecs(manifest: Manifest, fns: Mapping[str, SampleFn], columns: Sequence[str] | str | None,

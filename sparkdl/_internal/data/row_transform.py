@@ -135,15 +135,7 @@ class RowTransform:
                 self._draws = True
             elif out is not None:
                 return self._outputs(pd, out, len(rows))
-        results: list[Any] = []
-        for row, seed in zip(rows, seeds, strict=True):
-            try:
-                results.append(self._one(row, seed))
-            except ConfigError:
-                raise
-            except Exception as exc:
-                results.append(exc)
-        return results
+        return [outcome(self._one, row, seed) for row, seed in zip(rows, seeds, strict=True)]
 
     def _one(self, row: dict[str, Any], seed: int) -> dict[str, Any]:
         import pandas as pd
@@ -171,6 +163,18 @@ class RowTransform:
                 for result in results:
                     result[name] = _checked(name, result[name], dtype, shape, nullable)
         return results
+
+
+def outcome(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or the exception it raised (one bad sample must not hide the others of its
+    chunk); a ConfigError is raised: the function's settings are wrong (a declared field it did
+    not return), so no sample is."""
+    try:
+        return fn(*args)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        return exc
 
 
 def _checked(name: str, value: Any, dtype: np.dtype, shape: tuple[Any, ...], nullable: bool) -> Any:
@@ -240,4 +244,4 @@ def _seed_globals(seed: int) -> None:
         torch.default_generator.manual_seed(seed)
 
 
-__all__ = ["RowTransform", "TransformSpec", "fields", "from_petastorm"]
+__all__ = ["RowTransform", "TransformSpec", "fields", "from_petastorm", "outcome"]

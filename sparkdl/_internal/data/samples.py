@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
+from sparkdl._internal.data.row_transform import outcome
 
 log = logging.getLogger("sparkdl.data")
 
@@ -145,23 +146,18 @@ def one_torch_thread() -> None:
 
 
 def _run(fns: Mapping[str, SampleFn], seed: int, epoch: int, work: Sequence[tuple[str, Any, int]]) -> list[Any]:
-    """``fn(value, rng)`` for each ``(column, value, row)``; an exception is returned, not raised,
-    so that one bad sample does not hide the others of its chunk."""
-    out: list[Any] = []
+    """``fn(value, rng)`` for each ``(column, value, row)`` (a chunked function's rows at once); a
+    sample that failed comes back as ``_Failed``."""
+    done: list[Any] = []
     for name, group in itertools.groupby(work, key=lambda item: item[0]):
         items = list(group)
         if (chunked := getattr(fns[name], "run_chunk", None)) is not None:  # a TransformSpec's rows at once
-            done = chunked([v for _, v, _ in items], [sample_rng(seed, epoch, r) for _, _, r in items])
-            out.extend(_Failed(f"{type(e).__name__}: {e}") if isinstance(e, Exception) else e for e in done)
-            continue
-        for _, value, row in items:
-            try:
-                out.append(fns[name](value, sample_rng(seed, epoch, row)))
-            except ConfigError:
-                raise  # the function's settings are wrong (a declared field it did not return): no sample is
-            except Exception as e:  # handed to the loader, which names the row
-                out.append(_Failed(f"{type(e).__name__}: {e}"))
-    return out
+            done.extend(chunked([v for _, v, _ in items], [sample_rng(seed, epoch, r) for _, _, r in items]))
+        else:
+            done.extend(outcome(fns[name], value, sample_rng(seed, epoch, row)) for _, value, row in items)
+    # A failed sample is handed to the loader, which names the row.
+    return [_Failed(f"{type(e).__name__}: {e}") if isinstance(e, Exception) else e for e in done]
+
 
 
 def _run_in_worker(seed: int, epoch: int, work: Sequence[tuple[str, Any, int]]) -> list[Any]:
