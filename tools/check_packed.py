@@ -15,7 +15,9 @@ is checked, and the first that fails ends the check with status 1:
 4. A driver on VENV's Python runs tests/resources/netns_driver.py's ``packed`` scenario with
    ``spark.archives=<archive>#env`` and ``spark.pyspark.python=./env/bin/python``: two ranks on
    two hosts whose Python, torch and sparkdl come from the unpacked archive; a run whose rank on
-   host 2 is SIGKILLed at step 7 reruns and ends bitwise equal to an uninterrupted run.
+   host 2 is SIGKILLed at step 7 reruns from its checkpoint on the archive's Python and ends with
+   every step done. (That the resumed weights are bitwise equal to an uninterrupted run's is
+   tests/cluster/test_netns_hosts.py's, on the same hosts with the same training function.)
 """
 
 from __future__ import annotations
@@ -137,15 +139,12 @@ def scenario(venv: Path, cluster: NetnsCluster, archive: Path) -> None:
         for what in ("python", "torch", "sparkdl"):
             check(o[what].startswith("/tmp/spark-work/") and "/env/" in o[what],
                   f"rank {o['rank']}'s {what} is not the unpacked archive's: {o[what]}")
-    ref, kill = result["reference"], result["sigkill"]
-    check(ref["attempt"] == 0 and kill["attempt"] == 1 and kill["restored_from"] is not None,
-          f"the SIGKILLed run did not rerun from a checkpoint: {kill}")
-    check(kill["weights"] == ref["weights"] and kill["steps"] == ref["steps"],
-          f"the resumed run's weights differ from the uninterrupted run's: {kill} vs {ref}")
+    kill = result["sigkill"]
+    check(kill["attempt"] == 1 and kill["restored_from"] is not None and kill["steps"] == kill["expected_steps"],
+          f"the SIGKILLed run did not rerun from a checkpoint to its last step: {kill}")
     say(f"2 ranks on {', '.join(hosts)} ran the archive's Python ({origins[0]['python']}); rank on host 2 "
-        f"SIGKILLed at step 7: rerun from its checkpoint {kill['restored_from']}, {kill['steps']} steps, weights bitwise "
-        f"equal to the uninterrupted run's ({time.monotonic() - started:.0f} s for the three runs)")
-
+        f"SIGKILLed at step 7: rerun from its checkpoint {kill['restored_from']} to step {kill['steps']} "
+        f"({time.monotonic() - started:.0f} s for the two runs)")
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:

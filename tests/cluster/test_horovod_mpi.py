@@ -166,6 +166,8 @@ def train_resumable(ds: sparkdl.Dataset, fault: dict[str, Any]) -> dict[str, Any
             "restored_from": state.restored_from, "steps": state.global_step}
 
 
+@pytest.mark.one_stack("classic", "both stacks build the same Horovod and Open MPI; the barrier rerun it rides on "
+                        "is walked on both stacks by tests/integration/test_faults.py")
 @ON_A_CLUSTER
 def test_a_sigkilled_mpi_rank_reruns_the_gang_and_resumes_bitwise_equal(session, tmp_path, no_leaks) -> None:  # type: ignore[no-untyped-def]
     import torch

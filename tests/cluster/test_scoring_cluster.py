@@ -74,6 +74,8 @@ def quarter_gpus(spark_session, fake_gpus):  # type: ignore[no-untyped-def]
     })
 
 
+@pytest.mark.one_stack("modern", "fractional GPU slots take the same scoring path as whole ones, which "
+                        "tests/integration/test_ml.py walks on both stacks; the resource profile is Spark's")
 def test_fractional_gpus_each_task_its_address_one_load_per_worker(quarter_gpus, tmp_path) -> None:  # type: ignore[no-untyped-def]
     spark = quarter_gpus
     log_dir = tmp_path / "log"

@@ -154,6 +154,8 @@ def test_an_executor_lost_for_good_shrinks_the_gang_and_the_run_resumes(
     assert "sparkdl: attempt 1 runs on 1 ranks instead of num_workers=2, RunConfig.min_workers=1" in caplog.text
 
 
+@pytest.mark.one_stack("modern", "the lost executor's path through Spark is walked on both stacks by the shrink "
+                        "tests beside it; the failure it ends in is sparkdl's policy, the same on both")
 @pytest.mark.spark
 @pytest.mark.cluster
 @pytest.mark.fault
@@ -296,6 +298,8 @@ def train_shrink_grow(ds: sparkdl.Dataset, marker: str, log: str) -> dict[str, A
             "started_at": started_at, "steps": state.global_step}
 
 
+@pytest.mark.one_stack("classic", "the lost executor's path through Spark is walked on both stacks by the shrink "
+                        "tests beside it; growing back is sparkdl's policy, the same on both")
 @pytest.mark.spark
 @pytest.mark.cluster
 @pytest.mark.fault

@@ -18,6 +18,8 @@ from conftest import REPO
 JOBS = REPO / "jobs"
 
 
+@pytest.mark.one_stack("classic", "the modern stack runs the same jobs by spark-submit on a standalone cluster "
+                        "(tests/cluster/test_standalone.py) and the job's own code in the notebooks")
 @pytest.mark.spark
 @pytest.mark.timeout(300)
 def test_train_job_with_plain_python_from_nothing_to_a_saved_model(tmp_path: Path, spark: Any) -> None:

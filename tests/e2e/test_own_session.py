@@ -95,6 +95,8 @@ def test_a_local_session_without_pyspark_python_runs_on_the_drivers_interpreter(
     assert found["PYTHONEXEC"] == "python3"
 
 
+@pytest.mark.one_stack("modern", "the executors' error is taken out of Spark's wrapper on both stacks by "
+                        "test_the_executors_own_python_error_is_taken_out_of_sparks_wrapper")
 @pytest.mark.cluster
 def test_on_a_cluster_it_fails_at_once_with_the_executors_error_and_the_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

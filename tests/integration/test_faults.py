@@ -211,6 +211,8 @@ def test_a_bug_that_fails_every_rank_the_same_way_does_not_burn_every_attempt(sp
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.one_stack("modern", "an executor lost under a gang is walked on both stacks by tests/cluster/test_shrink.py "
+                        "(which reschedules or shrinks the gang)")
 @pytest.mark.cluster
 def test_losing_the_executor_of_a_rank_reschedules_the_gang(local_cluster, dataset, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from conftest import _listeners_outside_jvm, wait_no_leaks

@@ -441,6 +441,8 @@ def test_fit_reruns_the_gang_and_resumes(spark, tmp_path, no_leaks):  # type: ig
     assert float(np.mean((pred - y) ** 2)) < float(np.var(y))
 
 
+@pytest.mark.one_stack("modern", "Spark ML's CrossValidator copies the params the same way in Spark 3.5 and 4; "
+                        "the fit directory is sparkdl's, and the fits' resume is tested on both stacks")
 def test_cross_validator_fits_sharing_a_checkpoint_dir_each_keep_their_own(spark, tmp_path, no_leaks):  # type: ignore[no-untyped-def]
     """Spark ML copies the estimator, checkpointDir included, for every fit: two learning rates on
     two folds, two fits at a time, then the best on all the data. Each fit trains from scratch in

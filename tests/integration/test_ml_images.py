@@ -45,6 +45,8 @@ def digit_files(job: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.one_stack("classic", "the modern stack fits, scores, saves and reloads the same image pipeline in "
+                        "notebooks/images.ipynb; the decoders' own tests run on both")
 def test_the_image_pipeline_fits_on_two_ranks_scores_held_out_images_and_reloads(spark, job, digit_files,  # type: ignore[no-untyped-def]
                                                                                  tmp_path, no_leaks) -> None:
     from pyspark.ml import PipelineModel

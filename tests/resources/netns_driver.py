@@ -22,6 +22,7 @@ from typing import Any
 import sparkdl
 
 EPOCHS, BATCH, SAVE_EVERY = 3, 16, 4
+ROWS = 320  # of the dataset below, 8 features each
 
 
 def session(conf: dict[str, str]) -> Any:
@@ -40,7 +41,7 @@ def dataset(spark: Any, url: str) -> sparkdl.Dataset:
         return sparkdl.Dataset(url)
     rng = random.Random(5)
     rows = []
-    for i in range(320):
+    for i in range(ROWS):
         x = [rng.uniform(-1, 1) for _ in range(8)]
         rows.append((i, x, sum(x[:4]) - 0.5 * x[5] + rng.gauss(0, 0.05)))
     df = spark.createDataFrame(rows, "id long, x array<float>, y double")
@@ -186,9 +187,9 @@ def main() -> None:
         out["estimator"] = estimator(spark, ds.url, shared)
     elif scenario == "packed":  # executors with nothing installed, the job's packed venv shipped to them
         out["origins"] = sparkdl.run(origins, num_workers=2, config=cfg)
-        out["reference"] = sparkdl.run(train, ds, {}, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/ref")
         fault = {"how": "sigkill", "host": params["host2"], "step": 7}
         out["sigkill"] = sparkdl.run(train, ds, fault, num_workers=2, config=cfg, checkpoint_dir=f"{shared}/kill")
+        out["sigkill"]["expected_steps"] = EPOCHS * (ROWS // 2 // BATCH)  # 2 ranks, drop_last
     else:  # "faults": runs that the test partitions or kills host 2 under, one application for all
         # Each run starts when the test writes its name on stdin (an empty line or EOF: no more), so
         # that the test acts on the run it asked for; its result comes back as "RESULT-<name> {...}".
