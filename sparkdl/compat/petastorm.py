@@ -12,8 +12,12 @@
             ...
 
 It runs where Petastorm's does not: Spark 4, pyarrow >= 15 and Spark Connect (never ``df._jdf``).
-Every shard gets the same number of batches per epoch (Petastorm shards by row groups of unequal
-rows, so its ranks run out at different steps and a collective hangs).
+The files are Petastorm's (a file per partition of the DataFrame, Spark's row groups), and so
+are the shards: rank ``r`` of ``W`` reads the row groups ``g`` with ``g % W == r``, the same rows
+as with Petastorm. Where those shards hold unequal rows (Petastorm's ranks would then run out at
+different steps and a collective would hang), every shard instead takes an equal share of the
+row groups' stream: the same number of batches per epoch on every rank, each row once (a few
+repeated to even them out).
 """
 
 from __future__ import annotations
@@ -185,8 +189,7 @@ class TorchDataLoader:
     def __init__(self, converter: SparkDatasetConverter, options: dict[str, Any]) -> None:
         opts = dict(options)
         self.num_epochs: int | None = opts.pop("num_epochs")
-        dataset = converter.dataset(opts.pop("storage_options"))
-        self._loader: Loader = dataset.loader(**opts)
+        self._loader: Loader = _loader(converter, opts)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -218,11 +221,20 @@ def _tf_dataset(converter: SparkDatasetConverter, options: dict[str, Any], prefe
 
     opts = dict(options)
     num_epochs = opts.pop("num_epochs")
-    loader = converter.dataset(opts.pop("storage_options")).loader(**opts)
+    loader = _loader(converter, opts)
     try:
         yield named_batches(tf_dataset(loader), num_epochs, prefetch)
     finally:
         loader.close()
+
+
+def _loader(converter: SparkDatasetConverter, opts: dict[str, Any]) -> Loader:
+    """sparkdl's loader of the converter's files with ``opts`` (:func:`_reader_options`, less
+    ``num_epochs``), sharded as Petastorm shards where its shards hold equal rows."""
+    from sparkdl._internal.data import loader
+
+    dataset = converter.dataset(opts.pop("storage_options"))
+    return loader.Loader(dataset, **opts, shard_by="row_groups")
 
 
 def make_spark_converter(
@@ -267,7 +279,8 @@ def make_spark_converter(
     if dtype not in (None, "float32", "float64"):
         raise ConfigError(f"dtype={dtype!r}: choose 'float32', 'float64' or None (floating-point columns as they are)")
     ds = write_to(_with_precision(df, dtype), None, (str(parent), SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF),
-                  row_group_bytes=parquet_row_group_size_bytes, vector_dtype=dtype or "float64", compression=codec)
+                  row_group_bytes=parquet_row_group_size_bytes, vector_dtype=dtype or "float64", compression=codec,
+                  as_partitions=True)
     root = ds.url.rstrip("/")
     converter = SparkDatasetConverter(ds.url, [f"{root}/{f.path}" for f in ds.manifest.files], ds.num_rows)
     converter._dataset = ds

@@ -70,14 +70,17 @@ def spark_write(df: DataFrame, url: str, mode: str, options: Mapping[str, Any]) 
 
     Raises DatasetError, with the first line of Spark's error, when the write fails.
     """
+    # num_files None: the DataFrame's own partitions, a file each, cut by Spark's defaults as
+    # Petastorm's converter writes them (so that its row groups, and so its shards, are the same).
+    as_is = options["num_files"] is None
     writer = (
-        df.repartition(int(options["num_files"]))
+        (df if as_is else df.repartition(int(options["num_files"])))
         .write.mode(mode)
         .option("parquet.block.size", str(options["row_group_bytes"]))
-        # parquet-mr first measures a row group after 100 rows: too late for wide rows.
-        .option("parquet.page.size.row.check.min", "10")
         .option("compression", str(options["compression"]))
     )
+    if not as_is:  # parquet-mr first measures a row group after 100 rows: too late for wide rows.
+        writer = writer.option("parquet.page.size.row.check.min", "10")
     if options.get("row_group_rows"):
         writer = writer.option("parquet.block.row.count.limit", str(options["row_group_rows"]))
     try:

@@ -113,7 +113,10 @@ class Loader:
     :class:`~sparkdl.DatasetError` naming the column and the row group.
 
     The arguments are those of :meth:`Dataset.loader`; ``dataset`` may be any
-    :class:`~sparkdl._internal.data.files.ParquetFiles`, of which ``Dataset`` is one.
+    :class:`~sparkdl._internal.data.files.ParquetFiles`, of which ``Dataset`` is one. One more,
+    for sparkdl's Petastorm converter: ``shard_by="row_groups"``, Petastorm's shards (row group
+    ``g`` to rank ``g % world_size``) where they hold equal rows (:class:`EpochPlan`); such a
+    state resumes at its own world size only.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class Loader:
         decode_in: str = "threads",
         on_bad_sample: str = "raise",
         read_threads: int | None = None,
+        shard_by: str = "rows",
     ) -> None:
         _check_int("batch_size", batch_size, 1)
         _check_int("epoch", epoch, 0)
@@ -150,6 +154,9 @@ class Loader:
         for name, value in (("shuffle_window", shuffle_window), ("read_threads", read_threads)):
             if value is not None:
                 _check_int(name, value, 1)
+        if shard_by not in ("rows", "row_groups"):
+            raise ConfigError(f"shard_by={shard_by!r}: choose 'rows' (equal shares of the stream) or 'row_groups' "
+                              "(Petastorm's shards, where they hold equal rows)")
         if reader not in ("arrow", "petastorm"):
             raise ConfigError(f"reader={reader!r}: choose 'arrow' (sparkdl's reader) or 'petastorm'")
         if transform is not None and not callable(transform):
@@ -167,7 +174,8 @@ class Loader:
             device = batched[0]  # batches decoded on a device are for that device
         target, pin = device_and_pin(device, pin_memory, to_device, _run_device)
         self._plan = EpochPlan(dataset.manifest, dataset.url, batch_size, shuffle=bool(shuffle), seed=seed,
-                               drop_last=bool(drop_last), rank=rank, world_size=world_size, shuffle_window=shuffle_window)
+                               drop_last=bool(drop_last), rank=rank, world_size=world_size, shuffle_window=shuffle_window,
+                               shard_by=shard_by)
         if reader == "petastorm":
             check_petastorm(self._plan, selected, lengths_known=dataset.manifest.written_by_sparkdl)
         self._files = dataset
@@ -275,6 +283,7 @@ class Loader:
             "reader": self._reader,
             "dataset": self._files.manifest.fingerprint(),
             "reshards": self._resume.state() if self._resume is not None else [],
+            **({"row_group_shards": True} if p.row_group_shards else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -24,6 +24,13 @@ class EpochPlan:
     Row group ``g`` is the ``g``-th of the whole dataset, in file order: ``rg_file[g]`` is its
     file, ``rg_index[g]`` its index in that file and ``rg_rows[g]`` its rows.
 
+    ``shard_by="row_groups"`` asks for Petastorm's shards: rank ``r`` reads the row groups ``g``
+    with ``g % world_size == r``, the same ones every epoch (shuffled among themselves). It is
+    taken where those shards hold the same number of rows and ``drop_last`` is off, so that the
+    ranks still take equal steps without repeating a row: the stream then lays each rank's row
+    groups side by side, and its equal contiguous share is exactly them
+    (``row_group_shards``). Elsewhere the shares are the stream's, as with ``"rows"``.
+
     Raises:
         DatasetError: the dataset has no rows.
         ConfigError: ``drop_last`` leaves no batch.
@@ -41,6 +48,7 @@ class EpochPlan:
         rank: int,
         world_size: int,
         shuffle_window: int | None,
+        shard_by: str = "rows",
     ) -> None:
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
@@ -61,6 +69,8 @@ class EpochPlan:
                 "drop_last=False"
             )
         self.steps = _ceil_div(self.per_rank, b)
+        self.row_group_shards = shard_by == "row_groups" and world_size > 1 and not drop_last and all(
+            int(self.rg_rows[r::world_size].sum()) == self.per_rank for r in range(world_size))
         self.requested_window = shuffle_window
         self.window = self._window_rows(shuffle_window, manifest.uncompressed_bytes)
         # Rows read and held at a time. Without shuffle nothing is mixed, so one row group's worth
@@ -81,8 +91,15 @@ class EpochPlan:
         return _ceil_div(_ceil_div(share, count), b) * b
 
     def row_group_order(self, epoch: int) -> np.ndarray:
-        """The order of the row groups in ``epoch``'s stream: file order, or seeded by ``(seed, epoch)``."""
+        """The order of the row groups in ``epoch``'s stream: file order, or seeded by ``(seed,
+        epoch)``; with ``row_group_shards``, rank 0's row groups, then rank 1's, and so on, each
+        rank's in file order or seeded by ``(seed, epoch, rank)``."""
         n = len(self.rg_rows)
+        if self.row_group_shards:
+            shards = [np.arange(r, n, self.world_size) for r in range(self.world_size)]
+            if self.shuffle:
+                shards = [np.random.default_rng([self.seed, epoch, 0, r]).permutation(g) for r, g in enumerate(shards)]
+            return np.concatenate(shards)
         if not self.shuffle:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch, 0]).permutation(n)

@@ -200,6 +200,15 @@ def restore(state: object, mine: Mapping[str, Any], plan: EpochPlan) -> Position
             f"sparkdl version (version {version!r})"
         )
     same = state.get("world_size") == mine["world_size"]
+    if bool(state.get("row_group_shards")) != bool(mine.get("row_group_shards")) or (mine.get("row_group_shards")
+                                                                                    and not same):
+        raise ConfigError(
+            f"cannot resume: the saved state was taken on {state.get('world_size')!r} shards of "
+            f"{'whole row groups' if state.get('row_group_shards') else 'equal rows'} and this loader reads "
+            f"{mine['world_size']!r} of {'whole row groups' if mine.get('row_group_shards') else 'equal rows'} "
+            "(Petastorm's shards, shard_by='row_groups', resume on as many shards as they were taken on); "
+            "create the loader with the settings and the number of ranks of the run that saved the state"
+        )
     keys = _SAME + (("world_size", "shuffle_window") if same else ())
     if not same and "requested_shuffle_window" in state:
         keys += ("requested_shuffle_window",)

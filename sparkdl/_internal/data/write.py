@@ -112,10 +112,12 @@ def write_to(
     row_group_rows: int | None = None,
     vector_dtype: str = "float32",
     compression: str = "snappy",
+    as_partitions: bool = False,
 ) -> Dataset:
     """:func:`write_dataset`; with ``path=None`` and ``cache=(url, conf)``, the cache is the
     directory ``url`` (which Spark and the driver reach), set by the Spark conf ``conf``, instead of
-    ``spark.sparkdl.cacheDir``'s."""
+    ``spark.sparkdl.cacheDir``'s. ``as_partitions``: a file per partition of ``df`` (``num_files``
+    unused), as Petastorm's converter writes."""
     # Duck-typed, so that Spark Connect DataFrames (another class on pyspark 3.5) pass too.
     if not all(hasattr(df, a) for a in ("sparkSession", "schema", "write", "semanticHash")):
         raise ConfigError(f"df must be a pyspark.sql.DataFrame; got {type(df).__name__}")
@@ -136,10 +138,13 @@ def write_to(
                 "with row_group_bytes instead"
             )
     spark = df.sparkSession
-    if num_files is None:
-        num_files = spark_api.of(spark).default_parallelism()
-    if not is_int(num_files) or num_files < 1:
-        raise ConfigError(f"num_files={num_files!r}: give an integer >= 1")
+    if as_partitions:
+        num_files = None
+    else:
+        if num_files is None:
+            num_files = spark_api.of(spark).default_parallelism()
+        if not is_int(num_files) or num_files < 1:
+            raise ConfigError(f"num_files={num_files!r}: give an integer >= 1")
     selected, array_columns = _select_for_feeding(df, vector_dtype)
 
     options = {
