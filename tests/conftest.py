@@ -517,7 +517,7 @@ def _rank_processes() -> list[psutil.Process]:
         name = proc.info.get("name") or ""
         if proc.info.get("status") == psutil.STATUS_ZOMBIE:
             continue
-        if ("sparkdl._internal.rank" in cmd or name.startswith("sparkdl-rank") or "sparkdl._internal.horovod.mpi_proxy" in cmd
+        if ("sparkdl._internal.rank" in cmd or name.startswith("sparkdl-rank") or "sparkdl._internal.backends.horovod.mpi_proxy" in cmd
                 or name in ("orted", "mpirun")) and owned(proc):
             found.append(proc)
     return found

@@ -14,7 +14,7 @@ Petastorm's converter has its own drop-in, :mod:`sparkdl.compat.petastorm`.
 
 from sparkdl._internal.compat.drop_ins import TorchDistributor
 from sparkdl._internal.compat.gpus import GpuConfigError
+from sparkdl._internal.compat.horovod_runner import HorovodRunner
 from sparkdl._internal.compat.tf_distributor import MirroredStrategyRunner
-from sparkdl._internal.horovod.horovod_runner import HorovodRunner
 
 __all__ = ["GpuConfigError", "HorovodRunner", "MirroredStrategyRunner", "TorchDistributor"]

@@ -26,7 +26,7 @@ hvd = pytest.importorskip("horovod.torch")
 if not hvd.mpi_built():
     pytest.skip("Horovod was built without MPI (tools/build-horovod.sh builds it with Open MPI)", allow_module_level=True)
 try:
-    from sparkdl._internal.horovod.horovod_mpi import open_mpi_version
+    from sparkdl._internal.backends.horovod.horovod_mpi import open_mpi_version
 
     open_mpi_version()
 except sparkdl.BackendUnavailableError as exc:
@@ -80,7 +80,7 @@ def _mpi_processes() -> list[dict[str, Any]]:
         cmd = proc.info["cmdline"] or []
         if (proc.info["environ"] or {}).get("SPARKDL_TEST_TAG") != tag:
             continue
-        if proc.info["name"] in ("orted", "mpirun") or "sparkdl._internal.horovod.mpi_proxy" in cmd:
+        if proc.info["name"] in ("orted", "mpirun") or "sparkdl._internal.backends.horovod.mpi_proxy" in cmd:
             try:
                 parent = psutil.Process(proc.info["ppid"])
                 parent_cmd, parent_name = parent.cmdline(), parent.name()
@@ -121,7 +121,7 @@ def test_mpi_training_converges_like_gloo_with_every_process_started_by_a_task(s
     assert torch.allclose(mpi["weights"], gloo["weights"], atol=1e-5), (mpi["weights"], gloo["weights"])
     procs = mpi["processes"]
     daemons = [p for p in procs if p["name"] == "orted"]
-    proxies = [p for p in procs if p["name"] != "mpirun" and p["cmd"][-2:] == ["sparkdl._internal.horovod.mpi_proxy", "rank"]]
+    proxies = [p for p in procs if p["name"] != "mpirun" and p["cmd"][-2:] == ["sparkdl._internal.backends.horovod.mpi_proxy", "rank"]]
     runs = [p for p in procs if p["name"] == "mpirun"]
     assert len(runs) == 1 and len(daemons) == 2 and len(proxies) == 2, procs
     # No ssh anywhere: each daemon's parent is a Spark task's Python worker, each proxy's a daemon.

@@ -125,8 +125,8 @@ def _row(stdout: str, name: str) -> str:
 @pytest.mark.spark
 @pytest.mark.timeout(240)
 def test_doctor_reports_the_mpi_controller_on_the_driver_and_the_executors() -> None:
+    from sparkdl._internal.backends.horovod.horovod_mpi import check_mpi
     from sparkdl._internal.common.errors import BackendUnavailableError
-    from sparkdl._internal.horovod.horovod_mpi import check_mpi
 
     try:
         expected = check_mpi()  # "Horovod 0.28.1, Open MPI 4.1.4" here

@@ -77,6 +77,38 @@ def ddp_written_for_torchrun() -> list[float]:
     return weights[0].flatten().tolist()
 
 
+def _read_my_shard(ds: sparkdl.Dataset, out: str) -> int:
+    """A data-only rank: it reads its shard and writes what it saw; it never talks to the others."""
+    import json
+
+    import torch.distributed as dist
+
+    ctx = sparkdl.context()
+    ids = [int(i) for batch in ds.loader(5, shuffle=False) for i in batch["id"]]
+    Path(out, f"rank-{ctx.rank}.json").write_text(json.dumps(
+        {"ids": ids, "group": dist.is_available() and dist.is_initialized(), "backend": ctx.backend}))
+    return ctx.rank
+
+
+@pytest.mark.parametrize("where", ["spark", "driver"])
+def test_backend_none_runs_data_only_ranks_without_a_process_group(spark, tmp_path, no_leaks, where) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from sparkdl._internal.driver.local import run_on_driver
+
+    ds = sparkdl.write_dataset(spark.range(40), str(tmp_path / "ds"), num_files=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    if where == "spark":
+        value = sparkdl.run(_read_my_shard, ds, str(out), num_workers=2, backend="none", config=FAST)
+    else:  # the local launcher (HorovodRunner(np=-2) and local_mode take this path)
+        value = run_on_driver(_read_my_shard, (ds, str(out)), {}, num_processes=2, backend="none", config=FAST)
+    assert value == 0
+    seen = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert [s["group"] for s in seen] == [False, False] and {s["backend"] for s in seen} == {"none"}
+    assert sorted(seen[0]["ids"] + seen[1]["ids"]) == list(range(40)) and len(seen[0]["ids"]) == 20
+
+
 def test_existing_ddp_code_runs_unchanged(spark, no_leaks) -> None:  # type: ignore[no-untyped-def]
     weights = sparkdl.run(ddp_written_for_torchrun, num_workers=2, config=FAST)
     assert len(weights) == 4

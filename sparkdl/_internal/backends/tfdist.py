@@ -20,7 +20,10 @@ import os
 import socket
 import tempfile
 from pathlib import Path
+from typing import Any
 
+from sparkdl._internal.backends.base import Backend, Joining, TaskPart
+from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import BackendUnavailableError
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, read_fd
 
@@ -64,19 +67,29 @@ def prepare_rank_env(workdir: Path) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-class TensorflowBackend:
+class TensorflowBackend(Backend):
     """``backend="tensorflow"``: the rank's ``TF_CONFIG`` is in its environment before the
-    user's function runs; the function creates the strategy (``MultiWorkerMirroredStrategy()``)."""
+    user's function runs; the function creates the strategy (``MultiWorkerMirroredStrategy()``).
+    Each rank's task holds its server's port (:class:`PortPart`); the GPUs are TensorFlow's."""
 
     name = "tensorflow"
+    device_is_torchs = False
 
-    def check_driver(self) -> None:
+    def check_driver(self, config: RunConfig) -> None:
+        super().check_driver(config)
         if importlib.util.find_spec("tensorflow") is None:
             raise BackendUnavailableError(
                 "backend='tensorflow' needs TensorFlow in the driver's and the executors' Python, and it cannot "
                 "be imported here: pip install 'sparkdl[tensorflow]' (or tensorflow-cpu and tf-keras on "
                 "machines without GPUs)"
             )
+
+    def task_part(self, config: RunConfig, rank: int, host: str, workdir: Path, secret: bytes) -> TaskPart:
+        return PortPart(host)
+
+    def prepare_rank(self, workdir: Path) -> None:
+        prepare_rank_env(workdir)
+        import tensorflow  # noqa: F401
 
     def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
         store = read_fd("store")
@@ -87,3 +100,20 @@ class TensorflowBackend:
 
     def teardown_rank(self) -> None:
         pass
+
+
+class PortPart(TaskPart):
+    """A TensorFlow rank's port, reserved by its task (:func:`reserve_port`) until the rank ends;
+    the rank's ``TF_CONFIG`` names every rank's host and port."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = reserve_port(host)
+
+    def member(self) -> dict[str, Any]:
+        return {"port": self._sock.getsockname()[1]}
+
+    def join(self, joining: Joining) -> dict[str, str] | None:
+        return tf_config([(m["host"], m["port"]) for m in joining.members], joining.rank)
+
+    def close(self, wait_s: float | None) -> None:
+        self._sock.close()

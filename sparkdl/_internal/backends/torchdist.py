@@ -14,22 +14,28 @@ import importlib.util
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from sparkdl._internal.backends.base import Backend
+from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import BackendUnavailableError, ConfigError
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, read_fd
 
 
-class TorchBackend:
-    """torch.distributed: gloo on CPU, NCCL (with gloo for CPU tensors) on GPU."""
+class TorchBackend(Backend):
+    """torch.distributed: gloo on CPU, NCCL (with gloo for CPU tensors) on GPU; the one backend
+    whose tasks may run several ranks each (``RunConfig.processes_per_task``)."""
 
     name = "torch"
+    several_ranks_per_task = True
 
     def __init__(self) -> None:
         self._store: Any = None
 
-    def check_driver(self) -> None:
+    def check_driver(self, config: RunConfig) -> None:
+        super().check_driver(config)
         try:
             import torch.distributed as dist
         except ImportError as exc:
@@ -42,6 +48,9 @@ class TorchBackend:
                 "backend='torch' needs torch.distributed, but this torch build has none; "
                 "install an official torch build"
             )
+
+    def prepare_rank(self, workdir: Path) -> None:
+        import torch.distributed  # noqa: F401
 
     def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
         import torch.distributed as dist

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from sparkdl._internal.backends import BACKENDS
 from sparkdl._internal.cli.checks import ERROR, INFO, OK, WARN, Check, Report
 from sparkdl._internal.cli.options import (
     EXIT_FAILED,
@@ -123,10 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds one attempt may run once all ranks started (default: no limit)")
     run.add_argument("--start-timeout", type=_positive_float, default=120.0,
                      help="seconds for all ranks to be scheduled and start (default: %(default)s)")
-    run.add_argument("--backend", choices=("torch", "horovod", "tensorflow"), default="torch",
+    run.add_argument("--backend", choices=BACKENDS, default="torch",
                      help="torch: torch.distributed, as torchrun; horovod: one Horovod job of N ranks, "
                      "as horovodrun, for scripts that call hvd.init(); tensorflow: each rank a worker of "
-                     "MultiWorkerMirroredStrategy, TF_CONFIG set (default: %(default)s)")
+                     "MultiWorkerMirroredStrategy, TF_CONFIG set; none: no process group, for ranks that "
+                     "never talk to each other (default: %(default)s)")
     gpu = run.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="gpu", action="store_const", const=True, default=None,
                      help="one GPU per rank (needs spark.task.resource.gpu.amount)")

@@ -74,7 +74,7 @@ def _mpi(horovod: str | None) -> dict[str, str] | None:
     if horovod is None:
         return None
     try:
-        from sparkdl._internal.horovod.horovod_mpi import check_mpi
+        from sparkdl._internal.backends.horovod.horovod_mpi import check_mpi
 
         return {"ok": check_mpi()}
     except Exception as exc:

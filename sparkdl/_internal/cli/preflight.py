@@ -136,7 +136,7 @@ def _check_optional(report: Report, versions: dict[str, str | None]) -> None:
                    fix=f"build it against this torch: bash \"$(sparkdl conf build-horovod --path)\" {sys.prefix}")
     else:
         try:
-            from sparkdl._internal.horovod.horovod_gloo import check_horovod
+            from sparkdl._internal.backends.horovod.horovod_gloo import check_horovod
 
             check_horovod()
             report.add("horovod", OK, hvd)
@@ -166,7 +166,7 @@ def _check_mpi(report: Report, horovod_usable: bool) -> None:
         report.add(MPI_ROW, INFO, "needs horovod")
         return
     try:
-        from sparkdl._internal.horovod.horovod_mpi import check_mpi
+        from sparkdl._internal.backends.horovod.horovod_mpi import check_mpi
 
         report.add(MPI_ROW, OK, check_mpi())
     except Exception as exc:

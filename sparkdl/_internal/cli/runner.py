@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sparkdl._internal.backends import get_backend
 from sparkdl._internal.cli.options import (
     EXIT_FAILED,
     EXIT_OK,
@@ -94,7 +95,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"sparkdl run: {args.script}: no such file", file=sys.stderr)
         return EXIT_USAGE
     source = path.read_text()
-    if args.backend == "torch" and args.num_workers > 1 and (line := horovod_init_line(source)):
+    if not get_backend(args.backend).horovod_job and args.num_workers > 1 and (line := horovod_init_line(source)):
         print(f"sparkdl run: {args.script} calls Horovod's init() (line {line}): with --backend torch each "
               f"of the {args.num_workers} ranks would run a Horovod job of its own, of one process, on all "
               "the data. Add --backend horovod to run the ranks as one Horovod job, as horovodrun does",

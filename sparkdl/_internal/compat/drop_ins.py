@@ -1,6 +1,6 @@
 """The drop-in for Spark's ``TorchDistributor`` (exported as :class:`sparkdl.TorchDistributor`), and
 how it runs a script (:func:`run_script_source`). The other drop-ins: ``HorovodRunner`` in
-:mod:`sparkdl._internal.horovod.horovod_runner`, ``MirroredStrategyRunner`` in
+:mod:`sparkdl._internal.compat.horovod_runner`, ``MirroredStrategyRunner`` in
 :mod:`sparkdl._internal.compat.tf_distributor`; :mod:`sparkdl.compat` exports all three.
 
 The drop-ins refuse what the originals refuse, with exceptions of the same built-in types, at the same

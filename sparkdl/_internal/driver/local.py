@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sparkdl._internal.backends import check_driver
-from sparkdl._internal.backends.tfdist import reserve_port, tf_config
+from sparkdl._internal.backends import check_driver, get_backend
+from sparkdl._internal.backends.base import LocalJob, TaskPart
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError, RunFailedError, RunTimeoutError
 from sparkdl._internal.common.validate import int_at_least
@@ -34,7 +34,6 @@ from sparkdl._internal.driver.output import RankOutput, dedupes
 from sparkdl._internal.driver.progress import MetricsLog, Progress
 from sparkdl._internal.driver.report import build_report
 from sparkdl._internal.fs.private import user_dir
-from sparkdl._internal.horovod.mpi import Endpoint, Mpirun, join_local
 from sparkdl._internal.task.rankproc import RankProcess
 from sparkdl._internal.task.workdir import read_error
 from sparkdl._internal.wire.messages import (
@@ -89,9 +88,10 @@ class LocalLauncher(Launcher):
         hosts = [_HOST] * run.world_size
         procs: list[RankProcess] = []
         gangs: list[GangSpec] = []
-        mpi: list[Endpoint] = []
-        mpirun: Mpirun | None = None
-        reserved: list[socket.socket] = []  # the TensorFlow ranks' ports
+        backend = get_backend(run.backend)
+        parts: list[TaskPart] = []  # what the backend holds for each rank (a port, its part of an MPI job)
+        backend_job: LocalJob | None = None
+        secret = secrets.token_bytes(32)
         finished = False
         try:
             for rank in range(run.world_size):
@@ -109,64 +109,50 @@ class LocalLauncher(Launcher):
                 )
                 procs.append(proc)
                 gangs.append(GangSpec.form(spec, attempt=0, hosts=hosts, master_port=listener.getsockname()[1]))
-            job_envs: list[dict[str, str] | None] = [None] * run.world_size
-            if run.backend == "tensorflow":
-                ports = [reserve_port(_HOST) for _ in range(run.world_size)]
-                reserved.extend(ports)
-                endpoints = [(_HOST, sock.getsockname()[1]) for sock in ports]
-                job_envs = [tf_config(endpoints, r) for r in range(run.world_size)]
-            if run.backend == "horovod" and cfg.horovod_controller == "mpi":
-                # One Open MPI job of the local ranks (sparkdl._internal.horovod.mpi), formed before they are told the gang.
-                secret = secrets.token_bytes(32)
-                mpi = [Endpoint(_HOST, secret, r, root / f"rank-{r}", handshake_timeout_s=cfg.handshake_timeout_s)
-                       for r in range(run.world_size)]
-                envs, mpirun = join_local(mpi, _HOST, root, secret, cfg.connect_timeout_s,
-                                          lambda line: monitor.log(0, 0, LogLine("e", line)))
-                job_envs = list(envs)
-            for proc, gang, job_env in zip(procs, gangs, job_envs, strict=True):
+            for rank in range(run.world_size):
+                parts.append(backend.task_part(cfg, rank, _HOST, root / f"rank-{rank}", secret))
+            # Formed before the ranks are told the gang, as a gang's tasks do (one job of them all).
+            job_envs, backend_job = backend.join_local(parts, _HOST, root, secret, cfg.connect_timeout_s,
+                                               lambda line: monitor.log(0, 0, LogLine("e", line)))
+            for proc, gang, job_env, part in zip(procs, gangs, job_envs, parts, strict=True):
                 proc.tell_gang(gang, job_env)
                 monitor.rank_event(0, proc.spec.rank, Started(proc.pid))
                 monitor.stack_source(0, proc.spec.rank, functools.partial(_ask_stacks, proc, monitor))
-                if mpi:
-                    mpi[proc.spec.rank].watch(functools.partial(_end, proc))
+                part.watch(functools.partial(_end, proc))
             listener.close()
-            value = _wait(procs, monitor, cfg, root, mpi)
+            value = _wait(procs, monitor, cfg, root, parts)
             finished = True
             return value
         finally:
-            for endpoint in mpi:
-                endpoint.ended(0 if finished else -9)
-            if mpirun is not None:
-                if finished:
-                    mpirun.wait(cfg.collective_timeout_s)  # every rank's MPI part has ended by then
-                mpirun.close()
-            for endpoint in mpi:
-                endpoint.close()
+            for part in parts:
+                part.ended(0 if finished else -9)
+            if backend_job is not None:
+                backend_job.close(cfg.collective_timeout_s if finished else None)
+            for part in parts:
+                part.close(None)
             for proc in procs:
                 proc.close()
-            for sock in (listener, *reserved):
-                sock.close()
+            listener.close()
             shutil.rmtree(root, ignore_errors=True)
 
 
 def _end(proc: RankProcess, why: str) -> None:
-    proc.kill()  # Open MPI ended the job under this rank: its Endpoint says why
+    proc.kill()  # the backend's job (Open MPI's) ended under this rank: its part says why
 
 
-def _watch(proc: RankProcess, monitor: Monitor, mpi: Endpoint | None) -> None:
+def _watch(proc: RankProcess, monitor: Monitor, part: TaskPart) -> None:
     code = proc.wait()
     if code != 0 and monitor.stopping is not None:
         return  # stopped by the driver after another rank failed: it stays "stopped while running"
     ended = time.time()
     error, tb, at = read_error(proc.workdir) if code != 0 else (None, None, None)
-    if mpi is not None:
-        error = error or mpi.lost
+    error = error or part.lost
     exit_signal = -code if code < 0 else None
     # Reported at exit, not when the loop notices: the root cause is the first rank to exit.
     monitor.rank_event(0, proc.spec.rank, Exited(None if exit_signal else code, exit_signal, error, tb,
                                                  (at or ended) if code != 0 else None))
-    if mpi is not None and code != 0:
-        mpi.ended(code)  # once its failure is recorded: Open MPI then ends the job
+    if code != 0:
+        part.ended(code)  # once its failure is recorded: the backend's job (Open MPI's) then ends
 
 
 def _ask_stacks(proc: RankProcess, monitor: Monitor) -> bool:
@@ -179,9 +165,9 @@ def _ask_stacks(proc: RankProcess, monitor: Monitor) -> bool:
     return True
 
 
-def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path, mpi: list[Endpoint]) -> bytes:
-    watchers = [threading.Thread(target=_watch, args=(p, monitor, mpi[i] if mpi else None), daemon=True)
-                for i, p in enumerate(procs)]
+def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path, parts: list[TaskPart]) -> bytes:
+    watchers = [threading.Thread(target=_watch, args=(p, monitor, part), daemon=True)
+                for p, part in zip(procs, parts, strict=True)]
     for t in watchers:
         t.start()
     started = time.monotonic()

@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sparkdl._internal.backends import BACKENDS, check_driver
+from sparkdl._internal.backends import BACKENDS, check_driver, get_backend
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import int_at_least, nearest_multiples
@@ -132,7 +132,9 @@ def launch(
         fn: the function each rank runs. It and its arguments are cloudpickled; they must not
             capture a SparkSession, SparkContext or DataFrame.
         num_workers: number of ranks, one Spark task slot each.
-        backend: ``"torch"`` (torch.distributed) or ``"horovod"``.
+        backend: ``"torch"`` (torch.distributed), ``"horovod"``, ``"tensorflow"``
+            (``MultiWorkerMirroredStrategy``'s ``TF_CONFIG``) or ``"none"`` (no process group:
+            data-only jobs whose ranks never talk to each other).
         use_gpu: give each rank the GPUs Spark assigned to its task. ``None`` means yes when
             ``spark.task.resource.gpu.amount`` is set.
         max_attempts: runs of the gang allowed in all (overrides ``config.max_attempts``).
@@ -247,7 +249,7 @@ def _tasks(num_workers: int, backend: str, per_task: int) -> int:
     """The Spark tasks of a gang of ``num_workers`` ranks, ``per_task`` rank processes in each."""
     if per_task == 1:
         return num_workers
-    if backend != "torch":
+    if not get_backend(backend).several_ranks_per_task:
         raise ConfigError(
             f"RunConfig.processes_per_task={per_task} runs several torch ranks in each Spark task; "
             f"backend={backend!r} runs one rank per task: set processes_per_task=1 (and, on GPUs, "

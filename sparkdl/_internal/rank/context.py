@@ -39,7 +39,7 @@ class RunContext:
         attempt: 0 on the first run of the gang, 1 on its first rerun, and so on.
         run_id: identifier shared by every rank of every attempt of the run.
         host: address of the executor this rank runs on.
-        backend: ``"torch"`` or ``"horovod"``.
+        backend: the run's backend: ``"torch"``, ``"horovod"``, ``"tensorflow"`` or ``"none"``.
         gpu_ids: GPU addresses Spark assigned to this rank's task (empty on CPU).
     """
 

@@ -28,6 +28,8 @@ import traceback
 from pathlib import Path
 from typing import IO
 
+from sparkdl._internal.backends import get_backend
+from sparkdl._internal.backends.base import Backend
 from sparkdl._internal.common import proctree
 from sparkdl._internal.wire import rankspec
 
@@ -147,12 +149,12 @@ def _close_on_exec() -> None:
                 pass  # the listing's own descriptor, closed by now
 
 
-def _use_cuda(spec: rankspec.RankSpec, gang: rankspec.GangSpec) -> bool:
+def _use_cuda(spec: rankspec.RankSpec, gang: rankspec.GangSpec, backend: Backend) -> bool:
     """The rank's device, decided and set once: the GPUs Spark assigned, when this torch can use them."""
     if not spec.gpu_ids:
         return False
-    if spec.backend == "tensorflow":
-        return True  # TensorFlow places its own work on the GPUs it sees; torch stays off them
+    if not backend.device_is_torchs:
+        return True  # the framework (TensorFlow) places its own work on the GPUs it sees; torch stays off them
     import torch
 
     if torch.cuda.is_available():
@@ -192,13 +194,8 @@ def _run(workdir: Path, control: int) -> int:
         # Import while the gang forms, then wait for the task to say where the gang is.
         import cloudpickle
 
-        if spec.backend in ("torch", "horovod"):
-            import torch.distributed  # noqa: F401
-        elif spec.backend == "tensorflow":
-            from sparkdl._internal.backends.tfdist import prepare_rank_env
-
-            prepare_rank_env(workdir)
-            import tensorflow  # noqa: F401
+        backend = get_backend(spec.backend)
+        backend.prepare_rank(workdir)
         with os.fdopen(control) as pipe:
             told = pipe.read()
         if not told:
@@ -206,12 +203,9 @@ def _run(workdir: Path, control: int) -> int:
         os.environ.update(json.loads(told))
         gang = rankspec.read_gang()
         stage = "setting up the backend"
-        from sparkdl._internal.backends import get_backend
-
-        use_cuda = _use_cuda(spec, gang)
+        use_cuda = _use_cuda(spec, gang, backend)
         # Written to the environment so that threads and processes of this rank see it too.
         os.environ.update(rankspec.device_env(use_cuda))
-        backend = get_backend(spec.backend)
         backend.setup_rank(spec, gang, use_cuda)
         stage = "loading the function"
         with open(workdir / "payload.pkl", "rb") as f:

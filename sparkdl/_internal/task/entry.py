@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkdl._internal.common import proctree
+from sparkdl._internal.common.net import host_of
 from sparkdl._internal.task.lane import Lane, RankFailed
-from sparkdl._internal.task.net import host_of
 from sparkdl._internal.task.payload import TaskPayload
 from sparkdl._internal.task.spawn import Zygote
 from sparkdl._internal.wire.rankspec import RankSpec, RunSpec

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkdl._internal.backends.tfdist import reserve_port, tf_config
-from sparkdl._internal.horovod.mpi import Endpoint, Mpirun, join_job
+from sparkdl._internal.backends import get_backend
+from sparkdl._internal.backends.base import JoinError, Joining, TaskPart
 from sparkdl._internal.spark.reach import not_shared
 from sparkdl._internal.task.link import DriverLink, reach_driver
 from sparkdl._internal.task.payload import TaskPayload
@@ -70,11 +70,8 @@ class Lane:
         self.workdir: Path = self.own.path
         self.listener: socket.socket | None = None
         self.proc: RankProcess | None = None
-        # Horovod's MPI controller: this rank's part of the gang's MPI job (sparkdl._internal.horovod.mpi).
-        self.mpi: Endpoint | None = None
-        self.mpirun: Mpirun | None = None
-        # backend="tensorflow": the port of this rank's TensorFlow server, held until the rank ends.
-        self.tf_port: socket.socket | None = None
+        # What the backend holds here for the rank (a TensorFlow server's port, its part of an MPI job).
+        self.part: TaskPart | None = None
         self._orders: threading.Thread | None = None
         self._hello: Hello | None = None
         self._unshared: str | None = None
@@ -95,11 +92,7 @@ class Lane:
             start_timeout_s=run.config.connect_timeout_s, tail_lines=run.config.log_tail_lines,
             fallback_out=sys.stdout, fallback_err=sys.stderr,
         )
-        if run.backend == "tensorflow":
-            self.tf_port = reserve_port(host)
-        if run.backend == "horovod" and run.config.horovod_controller == "mpi":
-            self.mpi = Endpoint(host, self.secret, self.rank, self.workdir,
-                                handshake_timeout_s=run.config.handshake_timeout_s)
+        self.part = get_backend(run.backend).task_part(run.config, self.rank, host, self.workdir, self.secret)
         self._unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
         # A directory the user named stops the run here; the default one only its first save.
         self._strict = payload.checkpoints is not None and payload.checkpoints.strict
@@ -112,8 +105,7 @@ class Lane:
         """What the rest of the gang learns of this rank (through ``allGather``)."""
         port = self.listener.getsockname()[1] if self.listener else None
         return {"host": self.spec.host, "port": port, "tid": self.tid, "direct": self.conn is not None,
-                "hub": hub_port, "mpi": self.mpi.port if self.mpi else None, "unshared": self._unshared,
-                "tf": self.tf_port.getsockname()[1] if self.tf_port else None}
+                "hub": hub_port, "unshared": self._unshared, "backend": self.part.member() if self.part else {}}
 
     def _refuse_unshared(self) -> None:
         if self._unshared is not None and self._strict:
@@ -143,10 +135,15 @@ class Lane:
         if not reply.go or reply.attempt is None:
             raise RankFailed(f"sparkdl driver stopped rank {rank}: {reply.reason}")
         attempt = link.attempt = reply.attempt
-        job_env = tf_config([(m["host"], m["tf"]) for m in members], rank) if self.tf_port else None
-        if self.mpi is not None:
-            job_env, self.mpirun = _join_mpi(self.mpi, members, self.spec, self.workdir, self.secret, link,
-                                             cfg.connect_timeout_s)
+        part = self.part
+        assert part is not None
+        joining = Joining(rank, host, [{"host": m["host"], **m["backend"]} for m in members], self.workdir, self.secret,
+                          cfg.connect_timeout_s, lambda line: link.line("e", line))
+        try:
+            job_env = part.join(joining)
+        except JoinError as exc:  # the rank cannot run: it reports why (with what the job said) as its failure
+            link.send(Exited(1, None, str(exc), None, time.time()))
+            raise RankFailed(f"sparkdl rank {rank} on {host} did not join {part.job}: {exc}") from exc
         proc.tell_gang(GangSpec.form(self.spec, attempt=attempt, hosts=[m["host"] for m in members],
                                      master_port=members[0]["port"],
                                      checkpoints_refused=refused(run.checkpoint_url, members)), job_env)
@@ -155,8 +152,7 @@ class Lane:
             self.listener.close()
             self.listener = None
         self._orders = _answer_driver(conn, link, proc, cfg.connect_timeout_s, self.told)
-        if self.mpi is not None:
-            self.mpi.watch(lambda why: proc.kill())
+        part.watch(lambda why: proc.kill())
         link.send(Started(proc.pid))
         code = self.code = proc.wait()
         if self.told.stop is not None:
@@ -168,7 +164,7 @@ class Lane:
         if code != 0:
             ended = time.time()
             error, tb, failed_at = read_error(self.workdir)
-            error = error or (self.mpi.lost if self.mpi is not None else None)
+            error = error or part.lost
             exit_signal = -code if code < 0 else None
             link.send(Exited(None if exit_signal else code, exit_signal, error, tb, failed_at or ended))
             how = f"was killed by signal {exit_signal}" if exit_signal else f"exited with code {code}"
@@ -184,25 +180,22 @@ class Lane:
             self.proc.kill()
 
     def stop(self, collective_timeout_s: float) -> None:
-        """Ends the rank process and the rank's part of an MPI job."""
-        if self.mpi is not None:
+        """Ends the rank process and the backend's part of it (an MPI job's)."""
+        if self.part is not None:
             # After the rank's Exited went out: the job may end the other ranks from here on.
-            self.mpi.ended(self.code if self.code is not None else -9)
-            if self.code == 0:
-                # The job ends once every rank's process has; ending this part first would end the
-                # job under ranks still running. A peer is waited for as long as in a collective.
-                (self.mpirun.wait if self.mpirun is not None else self.mpi.wait_daemon)(collective_timeout_s)
-            if self.mpirun is not None:
-                self.mpirun.close()
-            self.mpi.close()
+            self.part.ended(self.code if self.code is not None else -9)
+            self.part.close(collective_timeout_s if self.code == 0 else None)
+            self.part = None
         if self.proc is not None:
             self.proc.close()
 
     def release(self) -> None:
         """Frees the rest: the listeners and reserved port, the channel, the thread that read it, the workdir."""
-        for sock in (self.listener, self.tf_port):
-            if sock is not None:
-                sock.close()
+        if self.listener is not None:
+            self.listener.close()
+        if self.part is not None:  # the rank never ran (stop closes it otherwise)
+            self.part.close(None)
+            self.part = None
         if self.conn is not None:
             self.conn.close()
         if self._orders is not None:
@@ -251,15 +244,3 @@ def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, 
     thread = threading.Thread(target=serve, name=f"sparkdl-driver-requests-{link.rank}", daemon=True)
     thread.start()
     return thread
-
-
-def _join_mpi(mpi: Endpoint, members: list[dict[str, Any]], spec: RankSpec, workdir: Path, secret: bytes,
-              link: DriverLink, timeout_s: float) -> tuple[dict[str, str], Mpirun | None]:
-    """This rank's place in the gang's MPI job (rank 0 starts mpirun); a rank that cannot join
-    reports why (with what mpirun said) as its failure."""
-    nodes = [(m["host"], m["mpi"]) for m in members]
-    try:
-        return join_job(mpi, spec.rank, nodes, workdir, secret, spec.host, timeout_s, lambda line: link.line("e", line))
-    except (RuntimeError, TimeoutError) as exc:
-        link.send(Exited(1, None, str(exc), None, time.time()))
-        raise RankFailed(f"sparkdl rank {spec.rank} on {spec.host} did not join the MPI job: {exc}") from exc

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from sparkdl._internal.common import proctree
+from sparkdl._internal.common.net import iface_for
 from sparkdl._internal.rank.main import LIFELINE_FRAME, STACK_SIGNAL, STACKS_FILE
-from sparkdl._internal.task.net import iface_for
 from sparkdl._internal.task.spawn import ProcessHandle, start_rank
 from sparkdl._internal.wire.messages import MAX_LINE_BYTES
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, gang_env, rank_env, write_secrets
@@ -256,7 +256,7 @@ class RankProcess:
 
     def tell_gang(self, gang: GangSpec, job_env: dict[str, str] | None = None) -> None:
         """Sends the gang to the rank, which has waited for it since it started; ``job_env``:
-        variables only known once the gang formed (an MPI job's, :mod:`sparkdl._internal.horovod.mpi`)."""
+        variables only known once the gang formed (an MPI job's, :mod:`sparkdl._internal.backends.horovod.mpi`)."""
         fd, self._control_w = self._control_w, None
         if fd is None:
             raise RuntimeError("the gang was already sent to this rank")

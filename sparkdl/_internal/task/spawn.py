@@ -18,7 +18,6 @@ import os
 import secrets
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from typing import IO, Any, ClassVar, Protocol
 
 from sparkdl._internal.common import proctree
 from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.common.net import peer_credentials
 from sparkdl._internal.fs.private import secret_file, user_dir
 from sparkdl._internal.wire.rankspec import fd_env
 from sparkdl._version import __version__
@@ -73,13 +73,6 @@ def proof(key: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
     """What one side of the zygote handshake sends to show it holds the executor's key: an HMAC
     over both sides' fresh nonces, tagged with the sender's side so neither can be replayed."""
     return hmac.new(key, side + b"\0" + first + second, hashlib.sha256).digest()
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int]:
-    """``(pid, uid)`` of the process at the other end of a Unix socket, as the kernel tells it."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _ = struct.unpack("3i", creds)
-    return int(pid), int(uid)
 
 
 class Zygote:

@@ -53,12 +53,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdl._internal.common import proctree
+from sparkdl._internal.common.net import peer_credentials
 from sparkdl._internal.task.spawn import (
     MAX_HANDSHAKE_MESSAGE,
     MAX_MESSAGE,
     NONCE_BYTES,
     fd_names,
-    peer_credentials,
     proof,
 )
 from sparkdl._internal.wire.rankspec import fd_env

@@ -8,14 +8,14 @@ import types
 
 import pytest
 
-from sparkdl._internal.common.errors import BackendUnavailableError, ConfigError
-from sparkdl._internal.horovod.horovod_gloo import (
+from sparkdl._internal.backends.horovod.horovod_gloo import (
     HorovodSlot,
     check_horovod,
     horovod_env,
     horovod_slots,
     start_rendezvous_server,
 )
+from sparkdl._internal.common.errors import BackendUnavailableError, ConfigError
 
 
 def _layout(slots: list[HorovodSlot]) -> list[tuple[int, int, int, int]]:

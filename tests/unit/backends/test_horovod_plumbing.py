@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: tools/build-horovod.sh")
 
-from sparkdl._internal.horovod.horovod_gloo import (
+from sparkdl._internal.backends.horovod.horovod_gloo import (
     check_horovod,
     horovod_env,
     start_rendezvous_server,
@@ -41,7 +41,7 @@ import json, os, socket, sys
 
 if os.environ.get("TEST_SERVER_FD"):
     # The rendezvous server lives in rank 0, on the socket its parent bound for it.
-    from sparkdl._internal.horovod.horovod_gloo import start_rendezvous_server
+    from sparkdl._internal.backends.horovod.horovod_gloo import start_rendezvous_server
     listener = socket.socket(fileno=int(os.environ["TEST_SERVER_FD"]))
     _, stop = start_rendezvous_server(
         "127.0.0.1", ["127.0.0.1", "127.0.0.1"], listener=listener,

@@ -1,4 +1,4 @@
-"""Addresses as a Spark task sees them."""
+"""Addresses and sockets as a Spark task sees them: a task's host, its interface, a Unix peer."""
 
 from __future__ import annotations
 
@@ -29,3 +29,10 @@ def iface_for(ip: str) -> str | None:
             if socket.inet_ntoa(packed[20:24]) == ip:
                 return name
     return None
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket, as the kernel tells it."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return int(pid), int(uid)

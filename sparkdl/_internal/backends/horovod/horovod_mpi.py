@@ -1,6 +1,6 @@
 """Horovod with its MPI controller: what a rank and the driver check, and the rank's settings.
 
-The MPI job itself is formed by the gang's tasks (:mod:`sparkdl._internal.horovod.mpi`); by the time the
+The MPI job itself is formed by the gang's tasks (:mod:`sparkdl._internal.backends.horovod.mpi`); by the time the
 backend sets up a rank, the rank's environment already places it in that job. Nothing heavy is
 imported at import time.
 """
@@ -44,7 +44,7 @@ def open_mpi_version() -> str:
 def check_mpi() -> str:
     """``"Horovod <v>, Open MPI <v>"`` when Horovod's MPI controller can run here; else
     BackendUnavailableError saying what to install."""
-    from sparkdl._internal.horovod.horovod_gloo import check_horovod
+    from sparkdl._internal.backends.horovod.horovod_gloo import check_horovod
 
     version = check_horovod()
     import horovod.torch as hvd

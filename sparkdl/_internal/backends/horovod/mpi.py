@@ -8,10 +8,10 @@ and without a second scheduler, inside the barrier stage:
   addresses, and a Unix socket for the rank's MPI proxy;
 * rank 0's task runs ``mpirun`` (:class:`Mpirun`) over one MPI node per rank, named
   ``sparkdl-rank<r>``, with sparkdl's agent as its remote shell (``plm_rsh_agent``). For each node
-  the agent (``python -m sparkdl._internal.horovod.mpi_proxy agent``) asks that rank's task, over the channel
+  the agent (``python -m sparkdl._internal.backends.horovod.mpi_proxy agent``) asks that rank's task, over the channel
   and with the run's secret, to start Open MPI's daemon (``orted``) with mpirun's arguments; the
   task starts it as its own child, and ends it with itself;
-* the daemon starts the rank's proxy (``python -m sparkdl._internal.horovod.mpi_proxy rank``), which hands its
+* the daemon starts the rank's proxy (``python -m sparkdl._internal.backends.horovod.mpi_proxy rank``), which hands its
   environment (the ``OMPI_*``/``PMIX_*`` variables that place a process in the job) to its task
   over the Unix socket. The task checks that the proxy is its own daemon's child and gives those
   variables to the rank process (already running, forked from the zygote with torch imported)
@@ -41,8 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sparkdl._internal.common import proctree
-from sparkdl._internal.task.net import iface_for
-from sparkdl._internal.task.spawn import peer_credentials
+from sparkdl._internal.common.net import iface_for, peer_credentials
 from sparkdl._internal.wire.channel import FramedConnection, Message
 from sparkdl._internal.wire.server import ChannelServer
 
@@ -260,7 +259,7 @@ class Mpirun:
                        "nodes": {node_name(r): [h, p] for r, (h, p) in enumerate(nodes)}}, f)
         hostfile = workdir / "mpi-hosts"
         hostfile.write_text("".join(f"{node_name(r)} slots=1\n" for r in range(len(nodes))))
-        agent = f"{sys.executable} -m sparkdl._internal.horovod.mpi_proxy agent"
+        agent = f"{sys.executable} -m sparkdl._internal.backends.horovod.mpi_proxy agent"
         argv = [
             "mpirun", "--hostfile", str(hostfile), "-np", str(len(nodes)), "--bind-to", "none",
             "-mca", "plm_rsh_agent", agent,
@@ -272,7 +271,7 @@ class Mpirun:
             # daemon crashed writing it, 2 launches in 6. Each rank reads the topology itself.
             "-mca", "rtc_hwloc_vmhole", "none",
             *(["--allow-run-as-root"] if os.geteuid() == 0 else []),
-            sys.executable, "-u", "-m", "sparkdl._internal.horovod.mpi_proxy", "rank",
+            sys.executable, "-u", "-m", "sparkdl._internal.backends.horovod.mpi_proxy", "rank",
         ]
         env = {**os.environ, AGENT_ENV: str(config), **_iface_mca(iface_for(host)), **_session_dir(workdir)}
         try:

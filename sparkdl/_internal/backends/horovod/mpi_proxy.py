@@ -1,12 +1,12 @@
-"""The two small programs Open MPI runs for sparkdl (see :mod:`sparkdl._internal.horovod.mpi`).
+"""The two small programs Open MPI runs for sparkdl (see :mod:`sparkdl._internal.backends.horovod.mpi`).
 
-``python -m sparkdl._internal.horovod.mpi_proxy agent NODE COMMAND...``: mpirun's remote shell. It starts no
+``python -m sparkdl._internal.backends.horovod.mpi_proxy agent NODE COMMAND...``: mpirun's remote shell. It starts no
 shell: it asks the task of ``NODE``'s rank, over the run's authenticated channel, to start Open
 MPI's daemon with ``COMMAND``'s arguments, prints the daemon's output, and exits with its exit
 code. Its settings (the nodes' addresses, the secret) are in the 0600 file that
 ``SPARKDL_MPI_AGENT`` names.
 
-``python -m sparkdl._internal.horovod.mpi_proxy rank``: the program mpirun runs as each rank. It hands its
+``python -m sparkdl._internal.backends.horovod.mpi_proxy rank``: the program mpirun runs as each rank. It hands its
 environment to its task over the Unix socket ``SPARKDL_MPI_PROXY`` names, then waits for the
 rank's exit code and ends with it.
 """
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
         return agent(argv[1], argv[2:])
     if argv == ["rank"]:
         return rank()
-    print("usage: python -m sparkdl._internal.horovod.mpi_proxy agent NODE COMMAND... | rank", file=sys.stderr)
+    print("usage: python -m sparkdl._internal.backends.horovod.mpi_proxy agent NODE COMMAND... | rank", file=sys.stderr)
     return 2
 
 
