@@ -4,7 +4,7 @@ Each of ``--ranks`` processes (gloo, CPU) holds its shards of the same MLP, shar
 (``fully_shard``) after one Adam step, so the optimizer state is there too. Timed, best of
 ``--repeat``, each in the same run:
 
-- sharded save: ``sparkdl._internal.train.sharded.save`` (every rank writes its own shards with
+- sharded save: ``sparkdl._internal.ckpt.sharded.save`` (every rank writes its own shards with
   ``torch.distributed.checkpoint``, rank 0 commits), and its load into the sharded model;
 - rank-0 save: what a loop without sharded checkpoints does, gathering the whole model and
   optimizer state on rank 0 (``get_state_dict`` with ``full_state_dict=True``) and writing one
@@ -77,8 +77,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str,
         set_state_dict,
     )
 
-    from sparkdl._internal.train import sharded
-    from sparkdl._internal.train.store import CheckpointStore
+    from sparkdl._internal.ckpt import sharded
+    from sparkdl._internal.ckpt.store import CheckpointStore
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

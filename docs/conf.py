@@ -49,7 +49,7 @@ nitpick_ignore_regex = [
     # A type alias of the loader's (dict[str, Any]): autodoc shows its name.
     (r"py:class", r"Batch"),
     # CheckpointStore(writer=...): the run and attempt a rank's store writes for, set by the run
-    # itself (sparkdl._internal.train.fence.Writer, internal).
+    # itself (sparkdl._internal.ckpt.fence.Writer, internal).
     (r"py:class", r"Writer"),
 ]
 

@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from sparkdl._internal.ckpt.store import CheckpointStore
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import (
     BackendUnavailableError,
@@ -19,7 +20,6 @@ from sparkdl._internal.driver.run import launch, run
 from sparkdl._internal.rank.context import RunContext, context
 from sparkdl._internal.train.keras import keras_checkpoint, keras_resume
 from sparkdl._internal.train.state import TrainState
-from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._version import __version__ as __version__
 from sparkdl.compat import HorovodRunner, TorchDistributor
 from sparkdl.data import Dataset, write_dataset

@@ -453,7 +453,7 @@ def test_cross_validator_fits_sharing_a_checkpoint_dir_each_keep_their_own(spark
     from pyspark.ml.evaluation import RegressionEvaluator
     from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
-    from sparkdl._internal.train.fence import run_of
+    from sparkdl._internal.ckpt.fence import run_of
 
     rng = np.random.default_rng(1)
     x = rng.normal(size=(96, 3))

@@ -32,7 +32,7 @@ def plant_checkpoint(directory: str | os.PathLike[str], seq: int, obj: Any, *, r
 
     import torch
 
-    from sparkdl._internal.train import records
+    from sparkdl._internal.ckpt import records
 
     buf = io.BytesIO()
     torch.save(obj, buf)

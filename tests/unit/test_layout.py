@@ -20,10 +20,9 @@ MAX_LINES = 600
 LAYERS: list[set[str]] = [
     {"common", "spark", "fs", "wire", "sparkdl._version"},
     # "backends": every backend, for every side (the driver's check, the task's part, the rank's setup).
-    {"train.store", "train.sharded", "train.records", "train.fence", "train.dcp_files", "train.finite", "backends"},
-    {"rank.context"},
-    # "rank" and "train": the packages' own __init__, which import nothing.
-    {"train.state", "data", "rank.main", "rank.__main__", "rank", "train"},
+    {"ckpt", "backends"},
+    {"rank"},
+    {"train", "data"},
     {"task"},
     {"driver"},
     {"compat", "ml"},

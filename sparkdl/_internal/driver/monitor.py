@@ -17,12 +17,12 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
+from sparkdl._internal.ckpt.store import CheckpointStore
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.driver import policy
 from sparkdl._internal.driver.output import RankOutput
 from sparkdl._internal.driver.progress import PROGRESS_KEY, MetricsLog, Progress
 from sparkdl._internal.driver.report import RankRecord
-from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire.channel import ChannelError, FramedConnection, Message
 from sparkdl._internal.wire.messages import (
     MAX_LINE_BYTES,

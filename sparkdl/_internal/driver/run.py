@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkdl._internal.backends import BACKENDS, check_driver, get_backend
+from sparkdl._internal.ckpt.fence import RunLease
+from sparkdl._internal.ckpt.store import CheckpointStore
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import int_at_least, nearest_multiples
@@ -30,8 +32,6 @@ from sparkdl._internal.fs.storage import redact
 from sparkdl._internal.spark import spark_api
 from sparkdl._internal.spark.reach import Marker
 from sparkdl._internal.spark.session import resolve_session
-from sparkdl._internal.train.fence import RunLease
-from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire.messages import MAX_LINE_BYTES
 from sparkdl._internal.wire.rankspec import RunSpec
 

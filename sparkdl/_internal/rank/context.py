@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sparkdl._internal.ckpt import sharded as sharded_ckpt
+from sparkdl._internal.ckpt.fence import Writer
+from sparkdl._internal.ckpt.store import CheckpointStore
 from sparkdl._internal.common.errors import ConfigError, NotInRunError
-from sparkdl._internal.train import sharded as sharded_ckpt
-from sparkdl._internal.train.fence import Writer
-from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire import rankspec
 from sparkdl._internal.wire.messages import PROGRESS_KEY
 

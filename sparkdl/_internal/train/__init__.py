@@ -1,2 +1,3 @@
-"""Checkpoints on shared storage (:mod:`~sparkdl._internal.train.store`) and the resumable loop built on
-them (:mod:`~sparkdl._internal.train.state`). A rank's code imports these; the driver reads the store."""
+"""The resumable training loop (:mod:`~sparkdl._internal.train.state`: ``TrainState``) and Keras's
+callbacks (:mod:`~sparkdl._internal.train.keras`), built on the rank's context and its checkpoints
+(:mod:`sparkdl._internal.ckpt`). A rank's code imports these."""

@@ -1,7 +1,7 @@
 """Checkpoints of a Keras model (``backend="tensorflow"``) in the run's checkpoint store, so that
 a rerun of the gang goes on from the last one.
 
-The checkpoint is sparkdl's own (:mod:`sparkdl._internal.train.store`): one file, written by rank 0 and
+The checkpoint is sparkdl's own (:mod:`sparkdl._internal.ckpt.store`): one file, written by rank 0 and
 moved into place, so a crash in the middle leaves the previous one the latest. It holds the
 epoch, the model's weights and its optimizer's variables, as tensors, and loads back with
 ``weights_only=True``. Under ``MultiWorkerMirroredStrategy`` every worker holds the same

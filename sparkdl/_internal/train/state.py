@@ -8,12 +8,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from sparkdl._internal.ckpt import sharded as sharded_ckpt
+from sparkdl._internal.ckpt.sharded import all_gather_json
 from sparkdl._internal.common.errors import SparkDLError
 from sparkdl._internal.common.validate import int_at_least
 from sparkdl._internal.fs.storage import redact
 from sparkdl._internal.rank.context import context
-from sparkdl._internal.train import sharded as sharded_ckpt
-from sparkdl._internal.train.sharded import all_gather_json
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +95,7 @@ class TrainState:
     A model sharded with FSDP (``fully_shard``) or tensor parallelism (its parameters are
     ``DTensor`` s; ``sharded=None`` finds out) is checkpointed sharded: every rank writes its own
     shards of the model and optimizer (``torch.distributed.checkpoint``), and the checkpoint
-    counts once all are written (:mod:`sparkdl._internal.train.sharded`). A run may resume from a
+    counts once all are written (:mod:`sparkdl._internal.ckpt.sharded`). A run may resume from a
     checkpoint that another number of ranks saved, sharded or not: see :meth:`restore`.
 
     Example::

@@ -1,4 +1,4 @@
-"""One live run per checkpoint directory: the driver's lease (sparkdl._internal.train.fence.RunLease).
+"""One live run per checkpoint directory: the driver's lease (sparkdl._internal.ckpt.fence.RunLease).
 
 A second run given a directory that a live run holds is refused before it starts, naming both
 runs; a run whose driver died is taken over: at once when that driver ran on this host (its
@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 import sparkdl
-from sparkdl._internal.train.fence import RUN_FILE, RunLease
+from sparkdl._internal.ckpt.fence import RUN_FILE, RunLease
 
 _HOLDER = """
 import sys, time
-from sparkdl._internal.train.fence import RunLease
+from sparkdl._internal.ckpt.fence import RunLease
 lease = RunLease(sys.argv[1], "aaaa01", 0.6).acquire()
 print("held", flush=True)
 time.sleep(60)

@@ -16,15 +16,15 @@ import time
 import pytest
 
 import sparkdl
-from sparkdl._internal.train.fence import Writer
+from sparkdl._internal.ckpt.fence import Writer
 
 pytestmark = pytest.mark.fault
 
 
 _WRITER = """
 import sys, torch
-from sparkdl._internal.train.fence import Writer
-from sparkdl._internal.train.store import CheckpointStore
+from sparkdl._internal.ckpt.fence import Writer
+from sparkdl._internal.ckpt.store import CheckpointStore
 store = CheckpointStore(sys.argv[1], writer=Writer("a1b2c3", 0))
 store.save({"global_step": 1, "w": torch.zeros(10)})
 print("first", flush=True)
@@ -70,8 +70,8 @@ def test_sigkill_while_the_file_is_being_written_leaves_the_previous_checkpoint(
 
 _STALE = """
 import sys, time
-from sparkdl._internal.train.fence import StaleWriterError, Writer
-from sparkdl._internal.train.store import CheckpointStore
+from sparkdl._internal.ckpt.fence import StaleWriterError, Writer
+from sparkdl._internal.ckpt.store import CheckpointStore
 store = CheckpointStore(sys.argv[1], keep=100, writer=Writer("e5e5", 0))
 i = 0
 try:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import sparkdl
+from sparkdl._internal.ckpt.store import CheckpointStore
 from sparkdl._internal.rank.context import context
-from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire import rankspec
 
 WHY = "sparkdl: this checkpoint was not saved: the checkpoint directory /x is not shared"

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 from sparkdl._internal.common.errors import SparkDLError
-from sparkdl._internal.train import sharded
-from sparkdl._internal.train.store import CheckpointStore
+from sparkdl._internal.ckpt import sharded
+from sparkdl._internal.ckpt.store import CheckpointStore
 
 rank, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

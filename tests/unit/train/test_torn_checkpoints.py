@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import sparkdl
-from sparkdl._internal.train.fence import Writer
+from sparkdl._internal.ckpt.fence import Writer
 
 STEPS_PER_EPOCH = 6
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from sparkdl._internal.ckpt.store import CheckpointStore
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import NotInRunError
 from sparkdl._internal.driver.monitor import Monitor
 from sparkdl._internal.driver.policy import Decision
 from sparkdl._internal.driver.progress import MetricsLog, Progress
 from sparkdl._internal.driver.report import RankRecord
-from sparkdl._internal.train.store import CheckpointStore
 from sparkdl._internal.wire.channel import ChannelError, connect
 from sparkdl._internal.wire.messages import (
     DumpStacks,

@@ -21,7 +21,7 @@ import re
 from typing import Any
 
 FORMAT = 1
-# Only the files each rank's DCP writer makes (sparkdl._internal.train.dcp_files): a record naming
+# Only the files each rank's DCP writer makes (sparkdl._internal.ckpt.dcp_files): a record naming
 # anything else (a path with a slash, "..") was not made by sparkdl.
 SHARD_FILE = re.compile(r"^__\d+(_\d+\.distcp|\.metadata)$")
 

@@ -1,16 +1,16 @@
 """Checkpoints on shared storage: each written atomically, committed by a record, verified before it is trusted.
 
 A checkpoint is its data file ``ckpt-<seq>.pt`` (``torch.save`` format) and its commit record
-``ckpt-<seq>.json`` (:mod:`sparkdl._internal.train.records`), in the run's checkpoint directory,
+``ckpt-<seq>.json`` (:mod:`sparkdl._internal.ckpt.records`), in the run's checkpoint directory,
 which may be a local or shared path or any URL pyarrow/fsspec reach. Both are written to a
 temporary name and moved into place, the record last: a crash at any step leaves the previous
 checkpoint the newest committed one. A restore trusts a checkpoint only once its data (and its
 shards) match what its record says, and falls back to the newest one that does, saying which it
 skipped and why; the last ``keep`` committed checkpoints are kept.
-A sharded checkpoint (:mod:`sparkdl._internal.train.sharded`) is such a file too, naming the directory
+A sharded checkpoint (:mod:`sparkdl._internal.ckpt.sharded`) is such a file too, naming the directory
 ``shards-<seq>-<writer>-<token>`` that every rank wrote its shards into; it goes when its file goes.
 
-Inside a run, the store knows its writer (the run and attempt, :mod:`sparkdl._internal.train.fence`):
+Inside a run, the store knows its writer (the run and attempt, :mod:`sparkdl._internal.ckpt.fence`):
 a stale attempt's commit is refused, and a commit removes only what its own run left half-written.
 
 Checkpoints are read back with ``torch.load(weights_only=True)``: tensors, numbers, strings,
@@ -33,12 +33,12 @@ import sys
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from sparkdl._internal.ckpt import fence, records
+from sparkdl._internal.ckpt.fence import Writer
+from sparkdl._internal.ckpt.finite import nonfinite_paths, refuse_nonfinite
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
 from sparkdl._internal.common.validate import int_at_least
 from sparkdl._internal.fs.storage import filesystem, make_dirs, normalize_url, redact
-from sparkdl._internal.train import fence, records
-from sparkdl._internal.train.fence import Writer
-from sparkdl._internal.train.finite import nonfinite_paths, refuse_nonfinite
 from sparkdl._internal.wire import rankspec
 from sparkdl._internal.wire.messages import SKIPPED_CHECKPOINT_KEY
 
@@ -50,7 +50,7 @@ _NAME = re.compile(r"^ckpt-(\d{8})\.(pt|json)$")
 _SHARDS = re.compile(r"^shards-(\d{8})-(?:([0-9a-f]+-\d+)-)?[0-9a-f]+$")
 _TMP = re.compile(r"^\.tmp-ckpt-\d{8}-(?:([0-9a-f]+-\d+)-)?[0-9a-f]{32}$")
 SHARDED = "sparkdl_sharded"
-"""The key that marks a sharded checkpoint's commit file (see :mod:`sparkdl._internal.train.sharded`)."""
+"""The key that marks a sharded checkpoint's commit file (see :mod:`sparkdl._internal.ckpt.sharded`)."""
 # Of a skipped checkpoint's reason, what goes to the driver (its record must fit one atomic write).
 _REASON_CHARS = 1000
 
@@ -160,7 +160,7 @@ class CheckpointStore:
     def newest_good(self) -> tuple[int | None, list[tuple[int, str]]]:
         """The newest checkpoint that verifies (None when none does), and the newer ones skipped,
         with why. Each skipped one is also said on stderr. A store with a writer first claims the
-        directory for its attempt (:func:`sparkdl._internal.train.fence.claim`)."""
+        directory for its attempt (:func:`sparkdl._internal.ckpt.fence.claim`)."""
         if self.writer is not None and self.refused is None:
             fence.claim(self.url, self.writer)
         entries = self._entries()
@@ -301,7 +301,7 @@ class CheckpointStore:
                 unpickles anything, which runs whatever code the file holds: pass it only for
                 checkpoints you wrote yourself, on storage nobody else writes to.
             sharded_ok: return a sharded checkpoint's commit record (for
-                :mod:`sparkdl._internal.train.sharded`); by default a sharded checkpoint raises
+                :mod:`sparkdl._internal.ckpt.sharded`); by default a sharded checkpoint raises
                 :class:`SparkDLError`, since its shards load only inside the run.
         """
         import torch

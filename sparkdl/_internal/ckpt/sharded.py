@@ -3,7 +3,7 @@
 A model sharded with FSDP (``torch.distributed.fsdp.fully_shard``) or tensor parallelism holds
 its parameters and optimizer state as ``DTensor`` shards, one part on each rank; no rank has the
 whole. A sharded checkpoint is written by every rank at once with ``torch.distributed.checkpoint``
-(DCP), each rank alone (:mod:`sparkdl._internal.train.dcp_files`), into a directory of its own,
+(DCP), each rank alone (:mod:`sparkdl._internal.ckpt.dcp_files`), into a directory of its own,
 ``shards-<seq>-<writer>-<token>``, and committed by rank 0 writing the checkpoint's file
 ``ckpt-<seq>.pt`` and its commit record (atomically, like every checkpoint of the store) once
 every rank said, as JSON, which files it wrote. Only the record makes the checkpoint count, and it
@@ -30,11 +30,11 @@ import secrets
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from sparkdl._internal.ckpt import dcp_files
+from sparkdl._internal.ckpt.finite import nonfinite_paths, refuse_nonfinite
+from sparkdl._internal.ckpt.store import SHARDED, CheckpointStore
 from sparkdl._internal.common.errors import SparkDLError
 from sparkdl._internal.fs.storage import redact
-from sparkdl._internal.train import dcp_files
-from sparkdl._internal.train.finite import nonfinite_paths, refuse_nonfinite
-from sparkdl._internal.train.store import SHARDED, CheckpointStore
 
 if TYPE_CHECKING:
     import torch

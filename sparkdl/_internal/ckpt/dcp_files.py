@@ -25,9 +25,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from sparkdl._internal.ckpt import records
 from sparkdl._internal.common.errors import SparkDLError
 from sparkdl._internal.fs.storage import filesystem, redact
-from sparkdl._internal.train import records
 
 _METADATA_GLOBALS = frozenset({
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
