@@ -35,7 +35,6 @@ from sparkdl._internal.driver.progress import MetricsLog, Progress
 from sparkdl._internal.driver.report import build_report
 from sparkdl._internal.fs.private import user_dir
 from sparkdl._internal.task.rankproc import RankProcess
-from sparkdl._internal.task.workdir import read_error
 from sparkdl._internal.wire.messages import (
     Exited,
     Gang,
@@ -47,6 +46,7 @@ from sparkdl._internal.wire.messages import (
     Started,
 )
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, RunSpec
+from sparkdl._internal.wire.workdir_files import read_error, result_path
 
 _HOST = "127.0.0.1"
 # After the first failure, the other ranks get this long to record their own outcome.
@@ -181,7 +181,7 @@ def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path
     if verdict is None or verdict.decision is not policy.Decision.STOP:
         for t in watchers:
             t.join(timeout=10)
-        return (root / "rank-0" / "result.pkl").read_bytes()
+        return result_path(procs[0].workdir).read_bytes()
     # One rank down means the others would wait on it: stop them, then report.
     time.sleep(_SETTLE_S)
     monitor.stopping = verdict.reason

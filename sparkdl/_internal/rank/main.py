@@ -31,9 +31,8 @@ from typing import IO
 from sparkdl._internal.backends import get_backend
 from sparkdl._internal.backends.base import Backend
 from sparkdl._internal.common import proctree
-from sparkdl._internal.wire import rankspec
+from sparkdl._internal.wire import rankspec, workdir_files
 
-STACKS_FILE = "stacks.txt"
 # The function of the lifeline thread: stack reports leave that thread out.
 LIFELINE_FRAME = "sparkdl_lifeline"
 # A real-time signal, not SIGUSR1: libraries give that one meanings of their own (SLURM requeue).
@@ -49,11 +48,12 @@ def _enable_stack_dumps(workdir: Path) -> None:
     gets its name only once the handler is in place, so a task never signals a rank too early
     (the signal's default action would end it)."""
     global _stacks_file
-    tmp = workdir / (STACKS_FILE + ".tmp")
+    path = workdir_files.stacks_path(workdir)
+    tmp = path.with_suffix(path.suffix + ".tmp")
     try:
         _stacks_file = open(tmp, "ab", buffering=0)  # noqa: SIM115 (open for the life of the rank)
         faulthandler.register(STACK_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
-        os.replace(tmp, workdir / STACKS_FILE)
+        os.replace(tmp, path)
     except (OSError, RuntimeError, ValueError):
         pass  # no stacks for the report; the rank runs as before
 
@@ -107,13 +107,6 @@ def _watch_lifeline(fd: int) -> None:
     threading.Thread(target=sparkdl_lifeline, name="sparkdl-lifeline", daemon=True).start()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def _format(exc: BaseException, *, skip_own_frame: bool) -> str:
     tb = exc.__traceback__
     if skip_own_frame and tb is not None and tb.tb_next is not None:
@@ -123,12 +116,8 @@ def _format(exc: BaseException, *, skip_own_frame: bool) -> str:
 
 def _record_error(workdir: Path, exc: BaseException, where: str, at: float | None = None) -> None:
     summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
-    info = {
-        "error": f"{where}: {summary}" if where else summary,
-        "traceback": _format(exc, skip_own_frame=not where),
-        "at": at or time.time(),  # this host's clock: the report orders failures by it
-    }
-    _write_atomically(workdir / "error.json", json.dumps(info).encode())
+    workdir_files.write_error(workdir, f"{where}: {summary}" if where else summary,
+                              _format(exc, skip_own_frame=not where), at or time.time())
 
 
 def _close_on_exec() -> None:
@@ -208,14 +197,14 @@ def _run(workdir: Path, control: int) -> int:
         os.environ.update(rankspec.device_env(use_cuda))
         backend.setup_rank(spec, gang, use_cuda)
         stage = "loading the function"
-        with open(workdir / "payload.pkl", "rb") as f:
+        with open(workdir_files.payload_path(workdir), "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
         _close_on_exec()
         stage = ""
         result = fn(*args, **kwargs)
         if spec.rank == 0:
             stage = "pickling the return value of rank 0"
-            _write_atomically(workdir / "result.pkl", cloudpickle.dumps(result, protocol=5))
+            workdir_files.write_result(workdir, cloudpickle.dumps(result, protocol=5))
         stage = "tearing down the backend"
         backend.teardown_rank()
         return 0
@@ -223,10 +212,10 @@ def _run(workdir: Path, control: int) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code != 0:
             _record_error(workdir, exc, stage)
-        elif spec.rank == 0 and not (workdir / "result.pkl").exists():
+        elif spec.rank == 0 and not workdir_files.result_path(workdir).exists():
             import cloudpickle
 
-            _write_atomically(workdir / "result.pkl", cloudpickle.dumps(None))
+            workdir_files.write_result(workdir, cloudpickle.dumps(None))
         return code
     except BaseException as exc:
         failed_at = time.time()  # before a write to a full stderr pipe can delay it

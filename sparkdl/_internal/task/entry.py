@@ -24,6 +24,7 @@ from sparkdl._internal.task.lane import Lane, RankFailed
 from sparkdl._internal.task.payload import TaskPayload
 from sparkdl._internal.task.spawn import Zygote
 from sparkdl._internal.wire.rankspec import RankSpec, RunSpec
+from sparkdl._internal.wire.workdir_files import result_path
 
 RESULT_CHUNK_BYTES = 16 * 1024 * 1024
 __all__ = ["RankFailed", "TaskPayload", "task_main"]
@@ -73,10 +74,10 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
                 return
             record = hub.finish()
             if record.succeeded:
-                yield from _result_batches(pa, lanes[0].workdir / "result.pkl")
+                yield from _result_batches(pa, result_path(lanes[0].workdir))
             yield from _record_batches(pa, record.blob)
         elif task == 0:
-            yield from _result_batches(pa, lanes[0].workdir / "result.pkl")
+            yield from _result_batches(pa, result_path(lanes[0].workdir))
     finally:
         for lane in lanes:
             lane.stop(run.config.collective_timeout_s)

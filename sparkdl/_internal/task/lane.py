@@ -26,7 +26,7 @@ from sparkdl._internal.spark.reach import not_shared
 from sparkdl._internal.task.link import DriverLink, reach_driver
 from sparkdl._internal.task.payload import TaskPayload
 from sparkdl._internal.task.rankproc import STACK_DUMP_S, RankProcess
-from sparkdl._internal.task.workdir import Workdir, read_error
+from sparkdl._internal.task.workdir import Workdir
 from sparkdl._internal.wire.channel import ChannelError, FramedConnection, connect
 from sparkdl._internal.wire.messages import (
     DumpStacks,
@@ -39,6 +39,7 @@ from sparkdl._internal.wire.messages import (
     Stop,
 )
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec
+from sparkdl._internal.wire.workdir_files import read_error
 
 
 class RankFailed(RuntimeError):

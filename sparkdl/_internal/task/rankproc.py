@@ -28,8 +28,9 @@ from typing import IO, Any, Protocol
 
 from sparkdl._internal.common import proctree
 from sparkdl._internal.common.net import iface_for
-from sparkdl._internal.rank.main import LIFELINE_FRAME, STACK_SIGNAL, STACKS_FILE
+from sparkdl._internal.rank.main import LIFELINE_FRAME, STACK_SIGNAL
 from sparkdl._internal.task.spawn import ProcessHandle, start_rank
+from sparkdl._internal.wire import workdir_files
 from sparkdl._internal.wire.messages import MAX_LINE_BYTES
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, gang_env, rank_env, write_secrets
 
@@ -222,7 +223,7 @@ class RankProcess:
         self._control_w: int | None = None
         self._relays: list[_Relay] = []
         self._dump_lock = threading.Lock()
-        (workdir / "payload.pkl").write_bytes(fn_bytes)
+        workdir_files.write_payload(workdir, fn_bytes)
         write_secrets(spec, workdir)
         env = {**os.environ, **rank_env(spec, workdir)}
         iface = iface_for(spec.host)
@@ -279,7 +280,7 @@ class RankProcess:
         """Every thread's Python stack of the running rank, innermost frame first, with source
         lines; None when the rank has ended, cannot dump (not yet set up), or wrote nothing in
         ``timeout`` s. The rank goes on running."""
-        path = self.workdir / STACKS_FILE
+        path = workdir_files.stacks_path(self.workdir)
         with self._dump_lock:
             try:
                 start = path.stat().st_size  # no file yet: the rank has no handler for the signal

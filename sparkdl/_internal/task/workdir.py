@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 import stat
@@ -61,14 +60,3 @@ def sweep(root: Path, grace_s: float = GRACE_S) -> list[Path]:
             finally:
                 os.close(fd)
     return removed
-
-
-def read_error(workdir: Path) -> tuple[str | None, str | None, float | None]:
-    """The error, traceback and time (``time.time()`` of this host) a failed rank recorded in its
-    workdir, if it could."""
-    try:
-        info = json.loads((workdir / "error.json").read_text())
-        at = info.get("at")
-        return info.get("error"), info.get("traceback"), float(at) if isinstance(at, int | float) else None
-    except (OSError, ValueError, AttributeError):
-        return None, None, None
