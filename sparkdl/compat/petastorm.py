@@ -13,8 +13,8 @@
 
 It runs where Petastorm's does not: Spark 4, pyarrow >= 15 and Spark Connect (never ``df._jdf``).
 The files are Petastorm's (a file per partition of the DataFrame, Spark's row groups), and so
-are the shards: rank ``r`` of ``W`` reads the row groups ``g`` with ``g % W == r``, the same rows
-as with Petastorm. Where those shards hold unequal rows (Petastorm's ranks would then run out at
+are the shards: rank ``r`` of ``W`` reads the row groups ``g`` with ``g % W == r``, counted along
+``file_urls`` (sorted by name; Petastorm's are Spark's ``inputFiles()``, in no set order). Where those shards hold unequal rows (Petastorm's ranks would then run out at
 different steps and a collective would hang), every shard instead takes an equal share of the
 row groups' stream: the same number of batches per epoch on every rank, each row once (a few
 repeated to even them out).
