@@ -35,13 +35,13 @@ from sparkdl._internal.driver.monitor import Monitor
 from sparkdl._internal.spark.reach import Marker
 from sparkdl._internal.spark.spark_api import SparkApi
 from sparkdl._internal.task.entry import TaskPayload, task_main
+from sparkdl._internal.wire import result_chunks
 from sparkdl._internal.wire.rankspec import RunSpec
 from sparkdl._internal.wire.server import ChannelServer
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-_RESULT_SCHEMA = "chunk long, data binary"
 # How often the driver looks at its ranks' state, and at the cluster's free slots after a failure.
 _POLL_S = 0.25
 # How often a Spark Connect server is asked whether it is there, and how long it may not answer.
@@ -156,18 +156,15 @@ class SparkLauncher(Launcher):
                 api.tag_jobs(group, f"sparkdl.run: {payload.run.world_size} ranks")
                 df: Any = (
                     session.range(0, n, 1, n)
-                    .mapInArrow(functools.partial(task_main, payload), _RESULT_SCHEMA, barrier=True)
+                    .mapInArrow(functools.partial(task_main, payload), result_chunks.SCHEMA, barrier=True)
                     .repartition(1)
                 )
-                chunks = _collect_chunks(df)
-                # Chunks -1, -2, ...: the relay hub's record of the attempt (sparkdl._internal.driver.relay).
-                record = b"".join(data for index, data in sorted(chunks, reverse=True) if index < 0)
-                if record:
+                result, record = result_chunks.join(_collect_chunks(df))
+                if record:  # the relay hub's record of the attempt (sparkdl._internal.driver.relay)
                     outcome.relayed = relay.replay(record, bytes.fromhex(payload.secret_hex), payload.run.run_id,
                                                    payload.first_attempt, monitor)
-                result = [data for index, data in chunks if index >= 0]
-                if result:
-                    outcome.result = b"".join(result)
+                if result is not None:
+                    outcome.result = result
                 elif not record:
                     raise SparkDLError("rank 0 finished but sent no return value back (internal error)")
             except BaseException as exc:
@@ -390,7 +387,7 @@ def _resized(payload: TaskPayload, world_size: int, num_workers: int, monitor: M
 def _collect_chunks(df: Any) -> list[tuple[int, bytes]]:
     if hasattr(df, "toArrow"):
         table = df.toArrow()
-        return sorted(zip(table.column("chunk").to_pylist(), table.column("data").to_pylist(), strict=True))
+        return list(zip(table.column("chunk").to_pylist(), table.column("data").to_pylist(), strict=True))
     # pyspark 3.5
     batches = df._collect_as_arrow()
-    return sorted(pair for b in batches for pair in zip(b.column(0).to_pylist(), b.column(1).to_pylist(), strict=True))
+    return [pair for b in batches for pair in zip(b.column(0).to_pylist(), b.column(1).to_pylist(), strict=True)]

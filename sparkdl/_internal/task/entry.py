@@ -15,7 +15,6 @@ import json
 import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from sparkdl._internal.common import proctree
@@ -24,9 +23,9 @@ from sparkdl._internal.task.lane import Lane, RankFailed
 from sparkdl._internal.task.payload import TaskPayload
 from sparkdl._internal.task.spawn import Zygote
 from sparkdl._internal.wire.rankspec import RankSpec, RunSpec
+from sparkdl._internal.wire.result_chunks import record_rows, result_rows
 from sparkdl._internal.wire.workdir_files import result_path
 
-RESULT_CHUNK_BYTES = 16 * 1024 * 1024
 __all__ = ["RankFailed", "TaskPayload", "task_main"]
 
 
@@ -74,10 +73,10 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
                 return
             record = hub.finish()
             if record.succeeded:
-                yield from _result_batches(pa, result_path(lanes[0].workdir))
-            yield from _record_batches(pa, record.blob)
+                yield from result_rows(pa, result_path(lanes[0].workdir))
+            yield from record_rows(pa, record.blob)
         elif task == 0:
-            yield from _result_batches(pa, result_path(lanes[0].workdir))
+            yield from result_rows(pa, result_path(lanes[0].workdir))
     finally:
         for lane in lanes:
             lane.stop(run.config.collective_timeout_s)
@@ -143,26 +142,3 @@ def _assigned_gpus(ctx: Any, run: RunSpec, task: int) -> list[str]:
             f"spark.task.resource.gpu.amount={per_task}, or processes_per_task={len(gpus)}"
         )
     return gpus
-
-
-def _record_batches(pa: Any, blob: bytes) -> Iterator[Any]:
-    """The hub's record of the attempt, in chunks numbered -1, -2, ... (rank 0's result: 0, 1, ...)."""
-    for i in range(0, max(len(blob), 1), RESULT_CHUNK_BYTES):
-        yield _chunk(pa, -1 - i // RESULT_CHUNK_BYTES, blob[i : i + RESULT_CHUNK_BYTES])
-
-
-def _result_batches(pa: Any, path: Path) -> Iterator[Any]:
-    with open(path, "rb") as f:
-        index = 0
-        while True:
-            chunk = f.read(RESULT_CHUNK_BYTES)
-            if not chunk and index > 0:
-                return
-            yield _chunk(pa, index, chunk)
-            index += 1
-
-
-def _chunk(pa: Any, index: int, data: bytes) -> Any:
-    """One row of the stage's result (its schema: sparkdl._internal.driver.spark's ``chunk long, data binary``)."""
-    return pa.RecordBatch.from_arrays([pa.array([index], pa.int64()), pa.array([data], pa.binary())],
-                                      names=["chunk", "data"])
