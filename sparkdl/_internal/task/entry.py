@@ -11,7 +11,6 @@ rank process and everything it started end with the task.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from sparkdl._internal.common.net import host_of
 from sparkdl._internal.task.lane import Lane, RankFailed
 from sparkdl._internal.task.payload import TaskPayload
 from sparkdl._internal.task.spawn import Zygote
+from sparkdl._internal.wire.gang_member import Member
 from sparkdl._internal.wire.rankspec import RankSpec, RunSpec
 from sparkdl._internal.wire.result_chunks import record_rows, result_rows
 from sparkdl._internal.wire.workdir_files import result_path
@@ -57,8 +57,8 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             lanes.append(Lane(payload, secret, spec, ctx.taskAttemptId()))
             lanes[-1].start()
         mine = [lane.member(hub.port if hub is not None and lane.rank == 0 else None) for lane in lanes]
-        members = [m for gathered in ctx.allGather(json.dumps(mine)) for m in json.loads(gathered)]
-        relayed = not all(m["direct"] for m in members)
+        members = Member.decode_all(ctx.allGather(Member.encode(mine)))
+        relayed = not all(m.direct for m in members)
         if not relayed and hub is not None:
             hub.close()
             hub = None
@@ -89,7 +89,7 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
             hub.close()
 
 
-def _run_lanes(lanes: list[Lane], members: list[dict[str, Any]], relayed: bool) -> BaseException | None:
+def _run_lanes(lanes: list[Lane], members: list[Member], relayed: bool) -> BaseException | None:
     """Runs every lane of the task to its rank's end; the first failure, or None. One rank per
     task runs in this thread. With several, each runs in a thread of its own, and the first
     that fails ends its siblings (without a report of their own: Spark ends the other tasks of

@@ -18,7 +18,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from sparkdl._internal.backends import get_backend
 from sparkdl._internal.backends.base import JoinError, Joining, TaskPart
@@ -28,6 +27,7 @@ from sparkdl._internal.task.payload import TaskPayload
 from sparkdl._internal.task.rankproc import STACK_DUMP_S, RankProcess
 from sparkdl._internal.task.workdir import Workdir
 from sparkdl._internal.wire.channel import ChannelError, FramedConnection, connect
+from sparkdl._internal.wire.gang_member import Member
 from sparkdl._internal.wire.messages import (
     DumpStacks,
     Exited,
@@ -102,18 +102,18 @@ class Lane:
             self.link.send(self._hello)
             self._refuse_unshared()
 
-    def member(self, hub_port: int | None) -> dict[str, Any]:
+    def member(self, hub_port: int | None) -> Member:
         """What the rest of the gang learns of this rank (through ``allGather``)."""
         port = self.listener.getsockname()[1] if self.listener else None
-        return {"host": self.spec.host, "port": port, "tid": self.tid, "direct": self.conn is not None,
-                "hub": hub_port, "unshared": self._unshared, "backend": self.part.member() if self.part else {}}
+        return Member(self.spec.host, port, self.tid, self.conn is not None, hub_port, self._unshared,
+                      self.part.member() if self.part else {})
 
     def _refuse_unshared(self) -> None:
         if self._unshared is not None and self._strict:
             raise RankFailed(f"sparkdl rank {self.rank} on {self.spec.host}: the checkpoint directory is not "
                              f"shared: {self._unshared}")
 
-    def run(self, members: list[dict[str, Any]], relayed: bool) -> None:
+    def run(self, members: list[Member], relayed: bool) -> None:
         """Joins the gang of ``members`` (one a rank), runs the rank and waits for its end;
         RankFailed when it failed (or was refused)."""
         proc, run, cfg = self.proc, self.payload.run, self.payload.run.config
@@ -122,7 +122,10 @@ class Lane:
             # Some task cannot reach the driver: the whole gang reports to the hub in task 0.
             if self.conn is not None:
                 self.conn.close()
-            self.conn = connect((members[0]["host"], members[0]["hub"]), self.secret, cfg.connect_timeout_s)
+            if members[0].hub is None:
+                raise RankFailed(f"sparkdl rank {self.rank}: a task of the gang cannot reach the driver and task 0 "
+                                 "runs no relay hub (spark.sparkdl.channel=direct): set it to auto")
+            self.conn = connect((members[0].host, members[0].hub), self.secret, cfg.connect_timeout_s)
             self.link.attach(self.conn)
             assert self._hello is not None
             self.link.send(self._hello)
@@ -131,22 +134,24 @@ class Lane:
         assert conn is not None
         # PySpark tasks cannot see their stage attempt number; the driver numbers attempts by the
         # task ids that formed each gang (one a rank), which every rank of a gang reports identically.
-        link.send(Gang(tuple(sorted(m["tid"] for m in members))))
+        link.send(Gang(tuple(sorted(m.tid for m in members))))
         reply = GoAhead.decode(conn.recv(timeout=cfg.connect_timeout_s))
         if not reply.go or reply.attempt is None:
             raise RankFailed(f"sparkdl driver stopped rank {rank}: {reply.reason}")
         attempt = link.attempt = reply.attempt
         part = self.part
         assert part is not None
-        joining = Joining(rank, host, [{"host": m["host"], **m["backend"]} for m in members], self.workdir, self.secret,
+        joining = Joining(rank, host, [{"host": m.host, **m.backend} for m in members], self.workdir, self.secret,
                           cfg.connect_timeout_s, lambda line: link.line("e", line))
         try:
             job_env = part.join(joining)
         except JoinError as exc:  # the rank cannot run: it reports why (with what the job said) as its failure
             link.send(Exited(1, None, str(exc), None, time.time()))
             raise RankFailed(f"sparkdl rank {rank} on {host} did not join {part.job}: {exc}") from exc
-        proc.tell_gang(GangSpec.form(self.spec, attempt=attempt, hosts=[m["host"] for m in members],
-                                     master_port=members[0]["port"],
+        if members[0].port is None:
+            raise RankFailed("sparkdl: rank 0's task told the gang no store port (internal error)")
+        proc.tell_gang(GangSpec.form(self.spec, attempt=attempt, hosts=[m.host for m in members],
+                                     master_port=members[0].port,
                                      checkpoints_refused=refused(run.checkpoint_url, members)), job_env)
         if self.listener is not None:
             # Only the rank 0 process holds the store's socket from here on.
@@ -204,11 +209,11 @@ class Lane:
         self.own.remove()
 
 
-def refused(url: str, members: list[dict[str, Any]]) -> str | None:
+def refused(url: str, members: list[Member]) -> str | None:
     """Why no rank of this gang may save a checkpoint (the first one not seeing the marker), or None."""
     for rank, member in enumerate(members):
-        if found := member.get("unshared"):
-            return not_shared(url, rank, str(member["host"]), str(found), outcome="sparkdl: this checkpoint was not saved")
+        if member.unshared:
+            return not_shared(url, rank, member.host, member.unshared, outcome="sparkdl: this checkpoint was not saved")
     return None
 
 
