@@ -161,7 +161,8 @@ class NetnsCluster:
                 d.mkdir()
                 self._dirs.append(d)
                 d.chmod(0o755)
-            (self.dir / "owner").write_text(_owner_id(os.getpid()))
+                if d == self.dir:  # first, so that another process's sweep never finds the dir without it
+                    (self.dir / "owner").write_text(_owner_id(os.getpid()))
             self.shared.mkdir(parents=True, exist_ok=True)
             self._make_network()
             for host in self.all_hosts:
@@ -445,6 +446,9 @@ def _owner_id(pid: int) -> str:
     return f"{pid} {stat.rpartition(')')[2].split()[19]}"  # field 22, starttime
 
 
+_STARTING_S = 30.0  # a cluster's directory without its owner file this young is being made, not left
+
+
 def sweep_stale() -> list[str]:
     """Removes what clusters whose owner died without stop() (SIGKILL, a restarted machine) left:
     processes in their namespaces, the namespaces, veths, bridge and /var/tmp dir. Returns their
@@ -460,6 +464,9 @@ def sweep_stale() -> list[str]:
             recorded = owner.read_text()
             if recorded and _owner_id(int(recorded.split()[0])) == recorded:
                 continue  # alive
+        with contextlib.suppress(OSError):
+            if not owner.exists() and time.time() - owner.parent.stat().st_mtime < _STARTING_S:
+                continue  # being made by another process: its owner is written right after the dir
         ours = [n for n in names if n.startswith(f"sdl{token}-")]
         _signal_namespaces(ours, signal.SIGKILL, 10.0)
         for link in [link for link in links if token in link]:
