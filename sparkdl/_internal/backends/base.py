@@ -3,6 +3,7 @@ and what it holds in a Spark task for a rank (:class:`TaskPart`); see :mod:`spar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.wire.rankspec import GangSpec, RankSpec
+from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, read_fd
 
 
 class JoinError(RuntimeError):
@@ -61,6 +62,13 @@ class TaskPart:
     def close(self, wait_s: float | None) -> None:
         """Frees what the part holds; first, with ``wait_s``, waits that long at most for the
         backend's job to end by itself (the rank succeeded)."""
+
+
+def close_store() -> None:
+    """Closes the store's socket the launcher handed rank 0, for a backend that serves no store."""
+    store = read_fd("store")
+    if store is not None:
+        os.close(store)
 
 
 class LocalJob:
@@ -114,13 +122,7 @@ class Backend:
         ``use_cuda``: the rank runs on ``cuda:LOCAL_RANK`` (``cuda:0`` with one rank per task),
         which the rank process has already made the current device.
         """
-        from sparkdl._internal.wire.rankspec import read_fd
-
-        store = read_fd("store")
-        if store is not None:
-            import os
-
-            os.close(store)  # rank 0's TCPStore socket: nothing here listens on it
+        close_store()  # rank 0's TCPStore socket: nothing here listens on it
 
     def teardown_rank(self) -> None:
         """Releases what setup_rank created; called after the user's function returns."""

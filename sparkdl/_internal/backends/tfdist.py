@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparkdl._internal.backends.base import Backend, Joining, TaskPart
+from sparkdl._internal.backends.base import Backend, Joining, TaskPart, close_store
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import BackendUnavailableError
-from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, read_fd
+from sparkdl._internal.wire.rankspec import GangSpec, RankSpec
 
 
 def reserve_port(host: str) -> socket.socket:
@@ -92,9 +92,7 @@ class TensorflowBackend(Backend):
         import tensorflow  # noqa: F401
 
     def setup_rank(self, spec: RankSpec, gang: GangSpec, use_cuda: bool) -> None:
-        store = read_fd("store")
-        if store is not None:
-            os.close(store)  # torch's store socket: TensorFlow's workers meet through TF_CONFIG
+        close_store()  # torch's store socket: TensorFlow's workers meet through TF_CONFIG
         if spec.world_size > 1 and "TF_CONFIG" not in os.environ:
             raise RuntimeError("the TensorFlow rank was started without TF_CONFIG (internal error)")
 

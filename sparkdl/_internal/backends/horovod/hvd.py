@@ -7,7 +7,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkdl._internal.backends.base import Backend, JoinError, Joining, LocalJob, TaskPart
+from sparkdl._internal.backends.base import (
+    Backend,
+    JoinError,
+    Joining,
+    LocalJob,
+    TaskPart,
+    close_store,
+)
 from sparkdl._internal.backends.horovod.horovod_gloo import (
     check_horovod,
     horovod_env,
@@ -64,9 +71,7 @@ class HorovodBackend(Backend):
         import socket
 
         if spec.horovod_controller == "mpi":
-            store_fd = read_fd("store")
-            if store_fd is not None:
-                os.close(store_fd)  # no rendezvous server: MPI's own runtime is the rendezvous
+            close_store()  # no rendezvous server: MPI's own runtime is the rendezvous
             os.environ.update(mpi_env(spec.rank, spec.collective_timeout_s))
             return
         hosts = list(gang.hosts)
