@@ -55,9 +55,9 @@ def test_a_stalled_stderr_never_holds_up_the_threads_that_receive_the_ranks_mess
     read_end, write_end = os.pipe()
     flags = fcntl.fcntl(write_end, fcntl.F_GETFL)
     fcntl.fcntl(write_end, fcntl.F_SETFL, flags | os.O_NONBLOCK)
-    try:
-        while True:
-            os.write(write_end, b"x" * 4096)
+    try:  # whole lines of PIPE_BUF bytes, each written whole or not at all: the first line the
+        while True:  # writer gets out then starts a line of its own, whenever its thread runs
+            os.write(write_end, b"x" * 4095 + b"\n")
     except BlockingIOError:
         pass  # the pipe is full: the next blocking write waits until someone reads
     fcntl.fcntl(write_end, fcntl.F_SETFL, flags)
