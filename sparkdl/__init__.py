@@ -14,7 +14,7 @@ from sparkdl._internal.common.errors import (
     RunTimeoutError,
     SparkDLError,
 )
-from sparkdl._internal.data.images import ImageDecoder
+from sparkdl._internal.data.decoding.images import ImageDecoder
 from sparkdl._internal.driver.result import RunResult
 from sparkdl._internal.driver.run import launch, run
 from sparkdl._internal.rank.context import RunContext, context

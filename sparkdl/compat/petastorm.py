@@ -31,9 +31,13 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.data.cache import hold, release
-from sparkdl._internal.data.row_transform import RowTransform, TransformSpec, from_petastorm
-from sparkdl._internal.data.samples import ROW
+from sparkdl._internal.data.decoding.row_transform import (
+    RowTransform,
+    TransformSpec,
+    from_petastorm,
+)
+from sparkdl._internal.data.decoding.samples import ROW
+from sparkdl._internal.data.writing.cache import hold, release
 from sparkdl._internal.fs.storage import redact
 
 if TYPE_CHECKING:
@@ -259,7 +263,7 @@ def make_spark_converter(
 
     The files are deleted at the driver's exit, as Petastorm's are, or by ``converter.delete()``.
     """
-    from sparkdl._internal.data.write import write_to
+    from sparkdl._internal.data.writing.write import write_to
 
     spark = df.sparkSession
     parent = spark.conf.get(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, None)
@@ -336,7 +340,7 @@ def _reader_options(batch_size: int, num_epochs: int | None, workers_count: int 
     seed = kwargs.get("seed")
     spec = kwargs.get("transform_spec")
     # A TransformSpec's func runs on decode processes, one row at a time, its draws the row's
-    # (sparkdl._internal.data.row_transform); its fields are the batch.
+    # (sparkdl._internal.data.decoding.row_transform); its fields are the batch.
     decoding = {"decode": {ROW: RowTransform(from_petastorm(spec))}, "decode_in": "processes",
                 "on_bad_sample": kwargs.get("on_bad_sample", "raise")} if spec is not None else {}
     return {
@@ -378,7 +382,7 @@ def _delete(url: str) -> None:
         fs.delete_dir(root)
 
 
-# The entries this process made a converter of, and its mark on each (sparkdl._internal.data.cache.hold).
+# The entries this process made a converter of, and its mark on each (sparkdl._internal.data.writing.cache.hold).
 _HELD: dict[str, str] = {}
 
 

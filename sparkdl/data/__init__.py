@@ -7,7 +7,7 @@ pyarrow) loads on the first ``Dataset.loader`` call.
 
 
 from sparkdl._internal.data.dataset import Dataset
-from sparkdl._internal.data.write import write_dataset
+from sparkdl._internal.data.writing.write import write_dataset
 
 # The public names, also importable from sparkdl itself; the package's modules are internal.
 __all__ = ["Dataset", "write_dataset"]

@@ -127,7 +127,7 @@ def test_notebook_runs(name: str, venv_kernel: str, tmp_path: Path, monkeypatch:
         assert "held-out accuracy over Spark Connect" in outputs
         # The ranks ran on the server's executors; their output came back to the kernel, tagged.
         assert "[rank 0] epoch 5: mean loss" in outputs and "[rank 1] epoch 5: mean loss" in outputs
-        from sparkdl._internal.data.manifest import MANIFEST_NAME
+        from sparkdl._internal.data.format.manifest import MANIFEST_NAME
 
         assert (work / "digits-train" / MANIFEST_NAME).is_file()  # written by the server's executors
         # The server the notebook started is stopped by its last cell: nothing listens there.

@@ -23,8 +23,8 @@ from resources.ftp import ftp_server as serve_ftp
 
 import sparkdl
 from sparkdl import ConfigError, Dataset, DatasetError
-from sparkdl._internal.data.cache import CACHE_DIR_CONF
-from sparkdl._internal.data.manifest import MANIFEST_NAME
+from sparkdl._internal.data.format.manifest import MANIFEST_NAME
+from sparkdl._internal.data.writing.cache import CACHE_DIR_CONF
 
 # The rank function below travels by value, as a notebook's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

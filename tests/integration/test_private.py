@@ -23,7 +23,7 @@ from resources.ftp import ftp_server
 from resources.private_dirs import RUN_DIR_CONF, assert_private, returns_one
 
 import sparkdl
-from sparkdl._internal.data.cache import CACHE_DIR_CONF
+from sparkdl._internal.data.writing.cache import CACHE_DIR_CONF
 
 # The rank functions below travel by value, as a notebook's functions do.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -157,3 +157,30 @@ def test_every_layer_names_existing_modules(layer: int) -> None:
     # A renamed module must not leave a rule behind that no longer checks anything.
     for key in LAYERS[layer]:
         assert any(_layer(m)[1] == key for m in MODULES), f"no module for layer entry {key!r}"
+
+
+# The data path's stages, in order (sparkdl/_internal/data/__init__.py): a module of one imports
+# modules of its own stage or of earlier ones. "": the loader, the tf.data view and the Dataset
+# handle, at the top of the folder, which join the stages before them.
+DATA_STAGES = ["format", "decoding", "reading", "", "writing"]
+DATA = "sparkdl._internal.data"
+
+
+def _data_stage(module: str) -> int | None:
+    if not module.startswith(DATA + "."):
+        return None
+    rest = module.removeprefix(DATA + ".").split(".")
+    return DATA_STAGES.index(rest[0] if len(rest) > 1 or rest[0] in DATA_STAGES else "")
+
+
+def test_the_data_path_imports_its_stages_one_way() -> None:
+    folders = {p.name for p in (ROOT / "_internal" / "data").iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(DATA_STAGES) - {""}, f"stages of sparkdl/_internal/data: {sorted(folders)}"
+    wrong = [
+        f"{name} ({DATA_STAGES[here] or 'top'}) imports {dep} ({DATA_STAGES[there] or 'top'})"
+        for name, deps in GRAPH.items()
+        if (here := _data_stage(name)) is not None
+        for dep in deps
+        if (there := _data_stage(dep)) is not None and there > here
+    ]
+    assert not wrong, "\n".join(sorted(wrong))

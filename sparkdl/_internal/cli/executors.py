@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from sparkdl._internal.cli.checks import ERROR, INFO, OK, WARN, Report, version_tuple
 from sparkdl._internal.cli.executor_probe import check_executor_mpi, probe_executors
 from sparkdl._internal.cli.listen import Listener
-from sparkdl._internal.data.cache import CACHE_DIR_CONF, cache_dir
+from sparkdl._internal.data.writing.cache import CACHE_DIR_CONF, cache_dir
 from sparkdl._internal.driver.cluster import RUN_DIR_CONF, executor_error, runs_root
 from sparkdl._internal.fs.storage import normalize_url, redact
 from sparkdl._internal.spark.reach import Marker

@@ -1,7 +1,7 @@
 """``Dataset``: the small, picklable handle that ranks open a Parquet dataset with.
 
 A dataset is a directory of Parquet files, with a manifest when :func:`sparkdl.write_dataset`
-wrote it (see :mod:`sparkdl._internal.data.manifest`). The loader plans every epoch from that manifest
+wrote it (see :mod:`sparkdl._internal.data.format.manifest`). The loader plans every epoch from that manifest
 alone, which is what lets it give every rank the same number of steps without reading any data
 first; the manifest travels inside the pickled handle.
 
@@ -17,14 +17,14 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sparkdl._internal.data.files import ParquetFiles
-from sparkdl._internal.data.manifest import Manifest
-from sparkdl._internal.data.scan import open_manifest
+from sparkdl._internal.data.format.manifest import Manifest
+from sparkdl._internal.data.format.scan import open_manifest
+from sparkdl._internal.data.reading.files import ParquetFiles
 from sparkdl._internal.fs.storage import filesystem, normalize_url, redact
 
 if TYPE_CHECKING:
     from sparkdl._internal.data.loader import Loader
-    from sparkdl._internal.data.read import Batch
+    from sparkdl._internal.data.reading.read import Batch
 
 
 class Dataset(ParquetFiles):
@@ -173,9 +173,9 @@ class Dataset(ParquetFiles):
                 :class:`sparkdl.ImageDecoder`; each column's outputs are stacked into one
                 tensor. ``rng`` depends on ``(seed, epoch, row)`` alone, so augmentations are
                 the same with any number of workers and after a resume
-                (:mod:`sparkdl._internal.data.samples`). A Petastorm dataset's ndarray and image
+                (:mod:`sparkdl._internal.data.decoding.samples`). A Petastorm dataset's ndarray and image
                 columns have default decoders, from its ``Unischema``, which a function given
-                here for the column replaces (:mod:`sparkdl._internal.data.petastorm_codecs`).
+                here for the column replaces (:mod:`sparkdl._internal.data.decoding.petastorm_codecs`).
             decode_workers: workers running ``decode`` (default: one per core).
             decode_in: ``"threads"`` (functions that release the GIL, like Pillow's decoding)
                 or ``"processes"`` (forked when the loader is made).

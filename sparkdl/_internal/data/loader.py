@@ -36,7 +36,7 @@ takes the ``r``-th of ``W`` equal contiguous ranges of them, with the remainder 
 row of the interrupted epoch is seen once (but for those), and all ranks take equal steps.
 Changed: the order of the rest differs from an uninterrupted run at either size; ``len(loader)``
 is the rest's steps while in it. Its state records the world sizes, so resuming again, at any
-size, stays exact (:mod:`sparkdl._internal.data.reshard`). Later epochs are planned for ``W`` as usual.
+size, stays exact (:mod:`sparkdl._internal.data.reading.reshard`). Later epochs are planned for ``W`` as usual.
 
 Output: a ``dict`` from column name to
 
@@ -47,14 +47,14 @@ Output: a ``dict`` from column name to
 - a list of ``bytes`` for binary columns and of ``str`` for strings (``None`` for nulls), unless
   ``transform`` turns them into tensors;
 - for a dataset Petastorm wrote, its ``Unischema``'s ndarray and image columns decoded as
-  Petastorm's reader decodes them, stacked (:mod:`~sparkdl._internal.data.petastorm_codecs`).
+  Petastorm's reader decodes them, stacked (:mod:`~sparkdl._internal.data.decoding.petastorm_codecs`).
 
 Numeric columns must not hold nulls: the loader stops with :class:`~sparkdl.DatasetError` naming
 the column.
 
 Device: tensors come out on the CPU, pinned when the device is CUDA (the loop's own
 ``.to(device)`` then waits on the GPU for the step before it), or, with ``to_device=True``, on
-the device, copied on a side CUDA stream while earlier steps compute (:mod:`~sparkdl._internal.data.prefetch`).
+the device, copied on a side CUDA stream while earlier steps compute (:mod:`~sparkdl._internal.data.reading.prefetch`).
 """
 
 from __future__ import annotations
@@ -66,16 +66,22 @@ from typing import Any
 import numpy as np
 
 from sparkdl._internal.common.errors import ConfigError, NotInRunError
-from sparkdl._internal.data.files import ParquetFiles
-from sparkdl._internal.data.petastorm_codecs import with_codecs
-from sparkdl._internal.data.petastorm_reader import check_petastorm
-from sparkdl._internal.data.plan import EpochPlan
-from sparkdl._internal.data.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
-from sparkdl._internal.data.read import LENGTHS_SUFFIX, Batch, BatchMaker
-from sparkdl._internal.data.reshard import STATE_VERSION, Resume, epoch_batches, restore
-from sparkdl._internal.data.samples import ROW, SampleFn, SampleMap, check_decode, default_workers
-from sparkdl._internal.data.selection import place, select_columns
-from sparkdl._internal.data.spares import Spares
+from sparkdl._internal.data.decoding.petastorm_codecs import with_codecs
+from sparkdl._internal.data.decoding.samples import (
+    ROW,
+    SampleFn,
+    SampleMap,
+    check_decode,
+    default_workers,
+)
+from sparkdl._internal.data.reading.files import ParquetFiles
+from sparkdl._internal.data.reading.petastorm_reader import check_petastorm
+from sparkdl._internal.data.reading.plan import EpochPlan
+from sparkdl._internal.data.reading.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
+from sparkdl._internal.data.reading.read import LENGTHS_SUFFIX, Batch, BatchMaker
+from sparkdl._internal.data.reading.reshard import STATE_VERSION, Resume, epoch_batches, restore
+from sparkdl._internal.data.reading.selection import place, select_columns
+from sparkdl._internal.data.reading.spares import Spares
 
 
 class Loader:
@@ -113,7 +119,7 @@ class Loader:
     :class:`~sparkdl.DatasetError` naming the column and the row group.
 
     The arguments are those of :meth:`Dataset.loader`; ``dataset`` may be any
-    :class:`~sparkdl._internal.data.files.ParquetFiles`, of which ``Dataset`` is one. One more,
+    :class:`~sparkdl._internal.data.reading.files.ParquetFiles`, of which ``Dataset`` is one. One more,
     for sparkdl's Petastorm converter: ``shard_by="row_groups"``, Petastorm's shards (row group
     ``g`` to rank ``g % world_size``) where they hold equal rows (:class:`EpochPlan`); such a
     state resumes at its own world size only.

@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.data.images import ImageDecoder
-from sparkdl._internal.data.samples import one_torch_thread
+from sparkdl._internal.data.decoding.images import ImageDecoder
+from sparkdl._internal.data.decoding.samples import one_torch_thread
 from sparkdl._internal.spark.confs import DECODE_THREADS
 
 if TYPE_CHECKING:

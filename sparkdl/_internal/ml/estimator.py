@@ -303,7 +303,7 @@ class TorchEstimator(Estimator["TorchModel"], EstimatorParams, Persistable, MLWr
         import torch
         from pyspark.sql import functions as F
 
-        from sparkdl._internal.data.write import write_dataset
+        from sparkdl._internal.data.writing.write import write_dataset
         from sparkdl._internal.driver.run import run
 
         if not self.isDefined(self.model):

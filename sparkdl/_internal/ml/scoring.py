@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkdl._internal.common.errors import ConfigError, SparkDLError
-from sparkdl._internal.data.samples import one_torch_thread
+from sparkdl._internal.data.decoding.samples import one_torch_thread
 from sparkdl._internal.ml.decoding import decode_batch_values, decode_values, scoring_decoder
 from sparkdl._internal.ml.fit_plan import CLASSIFICATION
 from sparkdl._internal.ml.modules import load_module

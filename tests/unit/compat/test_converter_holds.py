@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import sparkdl.compat.petastorm as converter_module
-from sparkdl._internal.data.cache import hold
+from sparkdl._internal.data.writing.cache import hold
 
 _OTHER = """
 import sys, time
-from sparkdl._internal.data.cache import hold
+from sparkdl._internal.data.writing.cache import hold
 hold(sys.argv[1])
 print("holding", flush=True)
 time.sleep(60)

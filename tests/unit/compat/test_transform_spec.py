@@ -124,8 +124,8 @@ def test_a_func_that_draws_nothing_runs_on_many_rows_at_once_and_gives_each_rows
     """Per-row calls cost a DataFrame a row; a func that draws nothing from the global generators
     is called on the decode chunk's rows at once, and must give exactly the per-row outputs.
     A func that draws (here on one row only) is caught and run row by row, each row seeded."""
-    from sparkdl._internal.data.row_transform import RowTransform, from_petastorm
-    from sparkdl._internal.data.samples import sample_rng
+    from sparkdl._internal.data.decoding.row_transform import RowTransform, from_petastorm
+    from sparkdl._internal.data.decoding.samples import sample_rng
 
     calls: list[int] = []
 

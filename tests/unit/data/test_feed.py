@@ -17,10 +17,10 @@ import torch
 
 import sparkdl
 from sparkdl import ConfigError, Dataset, DatasetError
+from sparkdl._internal.data.format.manifest import MANIFEST_NAME
 from sparkdl._internal.data.loader import Loader
-from sparkdl._internal.data.manifest import MANIFEST_NAME
-from sparkdl._internal.data.petastorm_reader import _from_petastorm, _rebatch
-from sparkdl._internal.data.plan import pieces as _pieces
+from sparkdl._internal.data.reading.petastorm_reader import _from_petastorm, _rebatch
+from sparkdl._internal.data.reading.plan import pieces as _pieces
 
 # (rows, rows per row group) of each file: uneven on purpose, with one empty file.
 LAYOUT = [(1000, 300), (37, 10), (1, 1), (0, 1), (2500, 700), (3, 2)]
@@ -460,7 +460,7 @@ def test_petastorm_chunks_are_cut_to_exact_batches() -> None:
 
 
 def test_petastorm_columns_convert_like_arrow_ones() -> None:
-    from sparkdl._internal.data.manifest import ColumnSpec
+    from sparkdl._internal.data.format.manifest import ColumnSpec
 
     fixed = _from_petastorm(ColumnSpec("x", "array", "float32", 2), np.arange(6, dtype=np.float32).reshape(3, 2))
     assert fixed.to_pylist() == [[0, 1], [2, 3], [4, 5]]
@@ -552,7 +552,7 @@ def test_batches_kept_across_windows_and_epochs_keep_their_values(ds: Dataset, p
 
 
 def test_spares_reuse_a_window_array_and_let_go_of_one_that_does_not_fit() -> None:
-    from sparkdl._internal.data.spares import Spares
+    from sparkdl._internal.data.reading.spares import Spares
 
     spares = Spares()
     first = spares.take((100, 3), "float32")
@@ -567,7 +567,7 @@ def test_spares_reuse_a_window_array_and_let_go_of_one_that_does_not_fit() -> No
 
 
 def test_arrow_to_numpy_reads_the_buffers_of_slices_and_bits() -> None:
-    from sparkdl._internal.data.arrow import list_lengths, list_values, to_numpy
+    from sparkdl._internal.data.format.arrow import list_lengths, list_values, to_numpy
 
     for arr in (pa.array(np.arange(10, dtype=np.int8)), pa.array(np.linspace(0, 1, 10, dtype=np.float16)),
                 pa.array(np.arange(10, dtype=np.uint32)), pa.array([i % 3 == 0 for i in range(10)])):

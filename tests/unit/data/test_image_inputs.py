@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from sparkdl import ImageDecoder
-from sparkdl._internal.data.image_batches import CANVAS_BYTES, canvas_chunks, crop_batch
-from sparkdl._internal.data.image_files import FORMATS, BadImage
+from sparkdl._internal.data.decoding.image_batches import CANVAS_BYTES, canvas_chunks, crop_batch
+from sparkdl._internal.data.decoding.image_files import FORMATS, BadImage
 
 FULL = ImageDecoder((8, 12), crop="full", flip=False)
 
@@ -115,7 +115,7 @@ def test_one_tall_and_one_wide_photo_never_make_a_tallest_by_widest_canvas() -> 
 
 
 def test_a_region_the_device_cannot_hold_is_a_bad_sample_not_a_failed_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sparkdl._internal.data.image_batches as batches
+    import sparkdl._internal.data.decoding.image_batches as batches
 
     real = batches._crop_canvas
 

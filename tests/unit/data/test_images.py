@@ -157,7 +157,7 @@ def test_a_spark_image_struct_is_bgr_pixels() -> None:
     row = {"origin": "file:/x.png", "height": h, "width": w, "nChannels": 3, "mode": 16, "data": bgr.tobytes()}
     out = ImageDecoder((h, w), crop="full")(row, np.random.default_rng(0))
     assert (out[0] == 7).all() and (out[1] == 0).all() and (out[2] == 255).all()
-    with pytest.raises(sparkdl._internal.data.images.BadImage, match="could not read"):
+    with pytest.raises(sparkdl._internal.data.decoding.images.BadImage, match="could not read"):
         SMALL({**row, "height": -1, "width": -1, "data": b""}, np.random.default_rng(0))
 
 
@@ -178,7 +178,7 @@ def test_a_bad_sample_is_named_with_its_row_file_and_path(tmp_path: Path) -> Non
     assert "on_bad_sample='skip'" in message
     with pytest.raises(DatasetError, match=r"row 20 \(row 20 of part-0.parquet, path=.*not an image in a format sparkdl decodes"):
         list(ds.loader(8, shuffle=False, decode={"content": SMALL}, rank=1, world_size=2))
-    with pytest.raises(sparkdl._internal.data.images.BadImage, match=r"empty \(0 bytes\)"):
+    with pytest.raises(sparkdl._internal.data.decoding.images.BadImage, match=r"empty \(0 bytes\)"):
         SMALL(b"", np.random.default_rng(0))
     bomb = ds.loader(8, shuffle=False, decode={"content": ImageDecoder(48, max_pixels=100_000)})
     with pytest.raises(DatasetError, match="max_pixels=100000"):

@@ -77,7 +77,7 @@ def test_dali_settings_are_checked() -> None:
     assert DALI.batched and DALI.device == "cpu"
     assert ImageDecoder(engine="dali", device="cuda:1").device == "cuda:1"
     out, bad = DALI.decode_batch([{"data": b""}], [np.random.default_rng(0)])
-    assert out == [None] and isinstance(bad[0], sparkdl._internal.data.images.BadImage)
+    assert out == [None] and isinstance(bad[0], sparkdl._internal.data.decoding.images.BadImage)
     assert "engine='dali' takes encoded images (a binary column), got dict" in str(bad[0])
 
 

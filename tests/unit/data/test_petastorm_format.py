@@ -24,9 +24,9 @@ import pytest
 
 import sparkdl
 from sparkdl._internal.common.errors import DatasetError
-from sparkdl._internal.data.petastorm_codecs import PetastormDecoder
-from sparkdl._internal.data.petastorm_schema import METADATA_FILE, UNISCHEMA_KEY
-from sparkdl._internal.data.samples import ROW
+from sparkdl._internal.data.decoding.petastorm_codecs import PetastormDecoder
+from sparkdl._internal.data.decoding.samples import ROW
+from sparkdl._internal.data.format.petastorm_schema import METADATA_FILE, UNISCHEMA_KEY
 
 RESOURCES = Path(__file__).resolve().parents[2] / "resources"
 FIXTURE = RESOURCES / "petastorm_dataset"
@@ -126,7 +126,7 @@ def test_a_transform_of_whole_rows_sees_decoded_fields() -> None:
 def test_a_transform_spec_over_a_petastorm_dataset_takes_its_rows_decoded_a_chunk_at_once() -> None:
     """The converter's TransformSpec path (a RowTransform) over the decoded fields: a func that
     draws nothing runs on many rows a call, and gives each row what it gives it alone."""
-    from sparkdl._internal.data.row_transform import RowTransform, TransformSpec
+    from sparkdl._internal.data.decoding.row_transform import RowTransform, TransformSpec
 
     expected = np.load(EXPECTED, allow_pickle=False)
     calls: list[int] = []

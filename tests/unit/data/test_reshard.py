@@ -15,7 +15,7 @@ import pytest
 
 from sparkdl import ConfigError, Dataset
 from sparkdl._internal.data.loader import Loader
-from sparkdl._internal.data.reshard import covering_ranges
+from sparkdl._internal.data.reading.reshard import covering_ranges
 
 B = 20
 EVEN = [(700, 64), (900, 150), (800, 37)]  # 2400 rows: no padding at 2, 3 or 4 ranks for the steps used

@@ -1,7 +1,7 @@
 """Petastorm's codecs decoded by sparkdl: the default decoders of a Petastorm dataset's columns.
 
 A dataset written by Petastorm's ``materialize_dataset`` stores ndarrays and images as bytes,
-and its ``Unischema`` (:mod:`sparkdl._internal.data.petastorm_schema`) says how each column was
+and its ``Unischema`` (:mod:`sparkdl._internal.data.format.petastorm_schema`) says how each column was
 encoded. ``ds.loader(...)`` then decodes each such column on its decode workers (threads by
 default; ``decode_in="processes"``), as if ``decode={column: PetastormDecoder(field)}`` had been
 given, and the outputs come out as Petastorm's reader gives them, stacked into a batch tensor:
@@ -33,11 +33,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sparkdl._internal.data.image_files import BadImage, open_encoded
-from sparkdl._internal.data.images import PILLOW_MAX_PIXELS
-from sparkdl._internal.data.manifest import IMAGE_CODECS, FieldSpec, Manifest
-from sparkdl._internal.data.row_transform import outcome
-from sparkdl._internal.data.samples import ROW, SampleFn
+from sparkdl._internal.data.decoding.image_files import BadImage, open_encoded
+from sparkdl._internal.data.decoding.images import PILLOW_MAX_PIXELS
+from sparkdl._internal.data.decoding.row_transform import outcome
+from sparkdl._internal.data.decoding.samples import ROW, SampleFn
+from sparkdl._internal.data.format.manifest import IMAGE_CODECS, FieldSpec, Manifest
 
 if TYPE_CHECKING:
     import numpy as np

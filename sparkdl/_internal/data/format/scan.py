@@ -2,7 +2,7 @@
 
 Directories written by plain Spark, by pyarrow or by Petastorm have no manifest; the footers say
 the same (schema, row groups, rows), so the loader plans them alike. A Petastorm dataset's
-``Unischema`` adds how its columns decode (:mod:`sparkdl._internal.data.petastorm_schema`).
+``Unischema`` adds how its columns decode (:mod:`sparkdl._internal.data.format.petastorm_schema`).
 Footers are read in parallel, except on fsspec filesystems, which may share one connection
 between threads.
 """
@@ -15,8 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
-from sparkdl._internal.data.manifest import ARRAY, MANIFEST_NAME, FileSpec, Manifest, column_spec
-from sparkdl._internal.data.petastorm_schema import with_unischema
+from sparkdl._internal.data.format.manifest import (
+    ARRAY,
+    MANIFEST_NAME,
+    FileSpec,
+    Manifest,
+    column_spec,
+)
+from sparkdl._internal.data.format.petastorm_schema import with_unischema
 from sparkdl._internal.fs.storage import redact, unreachable
 
 if TYPE_CHECKING:

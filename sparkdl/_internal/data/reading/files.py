@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import DatasetError
-from sparkdl._internal.data.manifest import ColumnSpec, Manifest
+from sparkdl._internal.data.format.manifest import ColumnSpec, Manifest
 from sparkdl._internal.fs.storage import filesystem, redact
 
 if TYPE_CHECKING:

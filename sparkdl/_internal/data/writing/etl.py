@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
-from sparkdl._internal.data.manifest import ARRAY, MANIFEST_NAME, ColumnSpec, Manifest
-from sparkdl._internal.data.scan import manifest_from_footers, path_info
+from sparkdl._internal.data.format.manifest import ARRAY, MANIFEST_NAME, ColumnSpec, Manifest
+from sparkdl._internal.data.format.scan import manifest_from_footers, path_info
 from sparkdl._internal.fs.storage import normalize_url, redact, unreachable
 
 if TYPE_CHECKING:

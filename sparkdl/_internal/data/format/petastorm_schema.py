@@ -9,9 +9,9 @@ that knows the few globals a Unischema pickle holds (Petastorm's ``Unischema``,
 Petastorm, nor pyspark, nor any class the file names is imported or called. Any other global is
 refused by name with :class:`~sparkdl.DatasetError`.
 
-What the stand-ins held becomes :class:`~sparkdl._internal.data.manifest.FieldSpec` s in the
+What the stand-ins held becomes :class:`~sparkdl._internal.data.format.manifest.FieldSpec` s in the
 manifest, which the loader turns into each column's default decoder
-(:mod:`sparkdl._internal.data.petastorm_codecs`).
+(:mod:`sparkdl._internal.data.decoding.petastorm_codecs`).
 
 Decisions: no ``_common_metadata``, or one without the Unischema key, is plain Parquet (Spark and
 pyarrow datasets, Petastorm's converter caches). A Unischema key that cannot be read, or that
@@ -30,7 +30,7 @@ import posixpath
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import DatasetError
-from sparkdl._internal.data.manifest import BINARY, IMAGE_CODECS, SCALAR, FieldSpec, Manifest
+from sparkdl._internal.data.format.manifest import BINARY, IMAGE_CODECS, SCALAR, FieldSpec, Manifest
 from sparkdl._internal.fs.storage import redact, unreachable
 
 if TYPE_CHECKING:

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING
 
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import is_int
-from sparkdl._internal.data.cache import write_cached
 from sparkdl._internal.data.dataset import Dataset, written
-from sparkdl._internal.data.etl import (
+from sparkdl._internal.data.format.scan import path_info
+from sparkdl._internal.data.writing.cache import write_cached
+from sparkdl._internal.data.writing.etl import (
     check_not_empty,
     exists,
     finish_manifest,
     qualify,
     spark_write,
 )
-from sparkdl._internal.data.scan import path_info
 from sparkdl._internal.fs.storage import filesystem, redact, unreachable
 from sparkdl._internal.spark import spark_api
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
-from sparkdl._internal.data.read import Batch
+from sparkdl._internal.data.reading.read import Batch
 
 if TYPE_CHECKING:
     import torch

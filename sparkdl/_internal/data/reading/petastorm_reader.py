@@ -24,11 +24,11 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
-from sparkdl._internal.data.arrow import list_lengths
-from sparkdl._internal.data.files import ParquetFiles, RowGroupReader
-from sparkdl._internal.data.manifest import ARRAY, BINARY, STRING, ColumnSpec
-from sparkdl._internal.data.plan import EpochPlan
-from sparkdl._internal.data.read import Batch, BatchMaker, WindowBuilder
+from sparkdl._internal.data.format.arrow import list_lengths
+from sparkdl._internal.data.format.manifest import ARRAY, BINARY, STRING, ColumnSpec
+from sparkdl._internal.data.reading.files import ParquetFiles, RowGroupReader
+from sparkdl._internal.data.reading.plan import EpochPlan
+from sparkdl._internal.data.reading.read import Batch, BatchMaker, WindowBuilder
 from sparkdl._internal.fs.storage import redact
 
 _CLASSIC_STACK = "pyspark 3.5, pyarrow 14.0.2, numpy 1.26 and petastorm 0.12.1"

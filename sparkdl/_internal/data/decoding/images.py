@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.data.image_files import BadImage, open_encoded, rgb, spark_image
+from sparkdl._internal.data.decoding.image_files import BadImage, open_encoded, rgb, spark_image
 
 if TYPE_CHECKING:
     import numpy as np
@@ -239,14 +239,14 @@ class ImageDecoder:
         where it failed) and the failures by position. On CUDA, JPEGs go through nvJPEG together;
         other images (and every image on the CPU) through Pillow, then to the device. The crops,
         resizes and flips of the whole batch are a few sampling passes over canvases of bounded size
-        (:func:`sparkdl._internal.data.image_batches.crop_batch`)."""
+        (:func:`sparkdl._internal.data.decoding.image_batches.crop_batch`)."""
         import torch
 
-        from sparkdl._internal.data.image_batches import crop_batch, nvjpeg
+        from sparkdl._internal.data.decoding.image_batches import crop_batch, nvjpeg
 
         if self.engine == "dali":
-            from sparkdl._internal.data.dali_engine import check_dali, dali_decode_batch
-            from sparkdl._internal.data.samples import default_workers
+            from sparkdl._internal.data.decoding.dali_engine import check_dali, dali_decode_batch
+            from sparkdl._internal.data.decoding.samples import default_workers
 
             check_dali()
             return dali_decode_batch(self, values, rngs, default_workers(), BadImage)

@@ -20,15 +20,15 @@ from urllib.parse import urlsplit
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
 from sparkdl._internal.data.dataset import Dataset, written
-from sparkdl._internal.data.etl import (
+from sparkdl._internal.data.format.manifest import MANIFEST_NAME, MANIFEST_VERSION
+from sparkdl._internal.data.format.scan import path_info
+from sparkdl._internal.data.writing.etl import (
     check_not_empty,
     exists,
     finish_manifest,
     qualify,
     spark_write,
 )
-from sparkdl._internal.data.manifest import MANIFEST_NAME, MANIFEST_VERSION
-from sparkdl._internal.data.scan import path_info
 from sparkdl._internal.fs.private import user_dir
 from sparkdl._internal.fs.storage import filesystem, make_dirs, normalize_url, redact
 from sparkdl._internal.spark import confs

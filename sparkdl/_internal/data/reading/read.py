@@ -19,12 +19,12 @@ import numpy as np
 import pyarrow as pa
 
 from sparkdl._internal.common.errors import DatasetError
-from sparkdl._internal.data.arrow import list_lengths, list_values, to_numpy
-from sparkdl._internal.data.files import ParquetFiles, RowGroupReader
-from sparkdl._internal.data.manifest import ARRAY, SCALAR, ColumnSpec
-from sparkdl._internal.data.plan import EpochPlan, pieces
-from sparkdl._internal.data.samples import SampleMap
-from sparkdl._internal.data.spares import Spares, new_array
+from sparkdl._internal.data.decoding.samples import SampleMap
+from sparkdl._internal.data.format.arrow import list_lengths, list_values, to_numpy
+from sparkdl._internal.data.format.manifest import ARRAY, SCALAR, ColumnSpec
+from sparkdl._internal.data.reading.files import ParquetFiles, RowGroupReader
+from sparkdl._internal.data.reading.plan import EpochPlan, pieces
+from sparkdl._internal.data.reading.spares import Spares, new_array
 from sparkdl._internal.fs.storage import redact
 
 T = TypeVar("T")

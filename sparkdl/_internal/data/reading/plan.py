@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
-from sparkdl._internal.data.manifest import Manifest
+from sparkdl._internal.data.format.manifest import Manifest
 from sparkdl._internal.fs.storage import redact
 
 # Default shuffle window: this many row groups' worth of rows, but no more than this many bytes.

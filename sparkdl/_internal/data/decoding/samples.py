@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
-from sparkdl._internal.data.row_transform import outcome
+from sparkdl._internal.data.decoding.row_transform import outcome
 
 log = logging.getLogger("sparkdl.data")
 
@@ -50,7 +50,7 @@ SampleFn = Callable[[Any, np.random.Generator], Any]
 ROW = "*"
 """``decode={ROW: fn}``: ``fn(row, rng)`` takes the whole row (a dict of its columns' values) and
 returns the batch's columns for it (a dict); the batch is then made of those columns alone
-(Petastorm's ``TransformSpec``, :mod:`sparkdl._internal.data.row_transform`)."""
+(Petastorm's ``TransformSpec``, :mod:`sparkdl._internal.data.decoding.row_transform`)."""
 WORKER_KINDS = ("threads", "processes")
 ON_BAD = ("raise", "skip")
 _NAMING_COLUMNS = ("path", "origin", "filename", "file")

@@ -1,5 +1,5 @@
 """The numpy arrays of served shuffle windows, kept for the windows still to be read, so that the
-same memory serves every window of every epoch (:mod:`sparkdl._internal.data.read`)."""
+same memory serves every window of every epoch (:mod:`sparkdl._internal.data.reading.read`)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.data.manifest import ARRAY, UNSUPPORTED, ColumnSpec, Manifest
-from sparkdl._internal.data.read import LENGTHS_SUFFIX
+from sparkdl._internal.data.format.manifest import ARRAY, UNSUPPORTED, ColumnSpec, Manifest
+from sparkdl._internal.data.reading.read import LENGTHS_SUFFIX
 
 
 def select_columns(manifest: Manifest, columns: Sequence[str] | None, decoded: set[str]) -> tuple[ColumnSpec, ...]:

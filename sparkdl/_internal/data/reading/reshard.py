@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.data.files import ParquetFiles, RowGroupReader
-from sparkdl._internal.data.petastorm_reader import petastorm_batches
-from sparkdl._internal.data.plan import EpochPlan, pieces, share_rows, stream_bounds
-from sparkdl._internal.data.read import (
+from sparkdl._internal.data.reading.files import ParquetFiles, RowGroupReader
+from sparkdl._internal.data.reading.petastorm_reader import petastorm_batches
+from sparkdl._internal.data.reading.plan import EpochPlan, pieces, share_rows, stream_bounds
+from sparkdl._internal.data.reading.read import (
     Batch,
     BatchMaker,
     Spares,

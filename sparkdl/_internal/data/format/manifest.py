@@ -3,7 +3,7 @@
 A dataset is a directory of Parquet files. Next to them sparkdl writes ``_sparkdl_manifest.json``:
 the columns (kind, element type, array length), the files, the rows of every row group and the
 row counts. Directories written by plain Spark, by pyarrow or by Petastorm have no manifest;
-:mod:`sparkdl._internal.data.scan` builds the same manifest from their Parquet footers. The leading
+:mod:`sparkdl._internal.data.format.scan` builds the same manifest from their Parquet footers. The leading
 underscore keeps Spark and pyarrow from taking the manifest for data.
 """
 
@@ -207,7 +207,7 @@ def column_spec(field: pa.Field, length: int | None = None) -> ColumnSpec:
     """Maps an Arrow field to the loader's view of it; ``length`` is a known array length."""
     import pyarrow as pa
 
-    from sparkdl._internal.data.arrow import numpy_dtype
+    from sparkdl._internal.data.format.arrow import numpy_dtype
 
     t = field.type
 

@@ -1,5 +1,5 @@
 """Images as files: the formats sparkdl opens (and the ones it refuses by name), Pillow's modes
-made RGB, and Spark's ``image`` struct; for :mod:`sparkdl._internal.data.images`."""
+made RGB, and Spark's ``image`` struct; for :mod:`sparkdl._internal.data.decoding.images`."""
 
 from __future__ import annotations
 
