@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -31,12 +32,14 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.common.validate import int_at_least, invalid
 from sparkdl._internal.data.decoding.row_transform import (
     RowTransform,
     TransformSpec,
     from_petastorm,
 )
 from sparkdl._internal.data.decoding.samples import ROW
+from sparkdl._internal.data.loader_options import LoaderOptions
 from sparkdl._internal.data.writing.cache import hold, release
 from sparkdl._internal.fs.storage import redact
 
@@ -168,7 +171,7 @@ class TorchDataLoaderContext:
     """What ``make_torch_dataloader`` returns: ``with ... as loader`` opens the shard's loader
     and closes it (its threads) on exit."""
 
-    def __init__(self, converter: SparkDatasetConverter, options: dict[str, Any]) -> None:
+    def __init__(self, converter: SparkDatasetConverter, options: _Read) -> None:
         self._converter = converter
         self._options = options
         self._loader: TorchDataLoader | None = None
@@ -190,10 +193,9 @@ class TorchDataLoader:
     from Petastorm; strings as lists of ``str`` (Petastorm's torch loader refuses them).
     """
 
-    def __init__(self, converter: SparkDatasetConverter, options: dict[str, Any]) -> None:
-        opts = dict(options)
-        self.num_epochs: int | None = opts.pop("num_epochs")
-        self._loader: Loader = _loader(converter, opts)
+    def __init__(self, converter: SparkDatasetConverter, options: _Read) -> None:
+        self.num_epochs: int | None = options.num_epochs
+        self._loader: Loader = _loader(converter, options)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -220,25 +222,22 @@ class TorchDataLoader:
 
 
 @contextlib.contextmanager
-def _tf_dataset(converter: SparkDatasetConverter, options: dict[str, Any], prefetch: int | None) -> Iterator[Any]:
+def _tf_dataset(converter: SparkDatasetConverter, options: _Read, prefetch: int | None) -> Iterator[Any]:
     from sparkdl._internal.data.tfdata import named_batches, tf_dataset
 
-    opts = dict(options)
-    num_epochs = opts.pop("num_epochs")
-    loader = _loader(converter, opts)
+    loader = _loader(converter, options)
     try:
-        yield named_batches(tf_dataset(loader), num_epochs, prefetch)
+        yield named_batches(tf_dataset(loader), options.num_epochs, prefetch)
     finally:
         loader.close()
 
 
-def _loader(converter: SparkDatasetConverter, opts: dict[str, Any]) -> Loader:
-    """sparkdl's loader of the converter's files with ``opts`` (:func:`_reader_options`, less
-    ``num_epochs``), sharded as Petastorm shards where its shards hold equal rows."""
+def _loader(converter: SparkDatasetConverter, options: _Read) -> Loader:
+    """sparkdl's loader of the converter's files (:func:`_reader_options`), sharded as Petastorm
+    shards where its shards hold equal rows."""
     from sparkdl._internal.data import loader
 
-    dataset = converter.dataset(opts.pop("storage_options"))
-    return loader.Loader(dataset, **opts, shard_by="row_groups")
+    return loader.Loader(converter.dataset(options.storage_options), options.loader)
 
 
 def make_spark_converter(
@@ -276,12 +275,10 @@ def make_spark_converter(
         )
     codec = (compression_codec or "uncompressed").lower()
     if codec not in _CODECS or codec in _NOT_IN_SPARK:
-        raise ConfigError(
-            f"compression_codec={compression_codec!r}: choose None (uncompressed), 'uncompressed', 'gzip', 'lz4' or "
-            "'snappy'" + (" (Spark's Parquet writer has no bzip2 or deflate codec)" if codec in _NOT_IN_SPARK else "")
-        )
+        raise invalid("compression_codec", compression_codec, "None (uncompressed), 'uncompressed', 'gzip', 'lz4' or 'snappy'"
+                      + (" (Spark's Parquet writer has no bzip2 or deflate codec)" if codec in _NOT_IN_SPARK else ""))
     if dtype not in (None, "float32", "float64"):
-        raise ConfigError(f"dtype={dtype!r}: choose 'float32', 'float64' or None (floating-point columns as they are)")
+        raise invalid("dtype", dtype, "'float32', 'float64' or None (floating-point columns as they are)")
     ds = write_to(_with_precision(df, dtype), None, (str(parent), SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF),
                   row_group_bytes=parquet_row_group_size_bytes, vector_dtype=dtype or "float64", compression=codec,
                   as_partitions=True)
@@ -309,9 +306,18 @@ def _with_precision(df: DataFrame, dtype: str | None) -> DataFrame:
     return df
 
 
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """What ``make_torch_dataloader``/``make_tf_dataset`` ask for, in sparkdl's terms."""
+
+    loader: LoaderOptions
+    num_epochs: int | None  # None: without end
+    storage_options: Any
+
+
 def _reader_options(batch_size: int, num_epochs: int | None, workers_count: int | None, capacity: int,
-                    data_loader_fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``Dataset.loader``'s arguments (and ``num_epochs``, ``storage_options``) for Petastorm's."""
+                    data_loader_fn: Any, kwargs: dict[str, Any]) -> _Read:
+    """The loader's options (with ``num_epochs`` and ``storage_options``) for Petastorm's keywords."""
     if data_loader_fn is not None and not (
         getattr(data_loader_fn, "__module__", "") == "petastorm.pytorch"
         and getattr(data_loader_fn, "__name__", "") in ("DataLoader", "BatchedDataLoader")
@@ -321,8 +327,7 @@ def _reader_options(batch_size: int, num_epochs: int | None, workers_count: int 
             "converter does not make. Leave it out (the batches are dicts of tensors, as petastorm.pytorch's "
             "DataLoader gives) and wrap the loader the context manager returns"
         )
-    if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
-        raise ConfigError(f"num_epochs={num_epochs!r}: give an integer >= 1, or None for no end")
+    int_at_least("num_epochs", num_epochs, 1, allow_none=True, note=" (None: without end)")
     for name in kwargs:
         if name in _INSTEAD and kwargs[name] not in (None, 1):
             raise ConfigError(f"make_torch_dataloader({name}=...) has no equivalent in sparkdl's converter: {_INSTEAD[name]}")
@@ -343,19 +348,13 @@ def _reader_options(batch_size: int, num_epochs: int | None, workers_count: int 
     # (sparkdl._internal.data.decoding.row_transform); its fields are the batch.
     decoding = {"decode": {ROW: RowTransform(from_petastorm(spec))}, "decode_in": "processes",
                 "on_bad_sample": kwargs.get("on_bad_sample", "raise")} if spec is not None else {}
-    return {
-        **decoding,
-        "batch_size": batch_size,
-        "num_epochs": num_epochs,
-        "storage_options": kwargs.get("storage_options"),
-        "rank": rank,
-        "world_size": size,
-        "shuffle": shuffle,
-        "shuffle_window": capacity if shuffle and capacity and capacity > batch_size else None,
-        "seed": 0 if seed is None else seed,
-        "columns": None if fields is None else [getattr(f, "name", f) for f in fields],
-        "read_threads": workers_count,
-    }
+    options = LoaderOptions(
+        batch_size, rank=rank, world_size=size, shuffle=shuffle, seed=0 if seed is None else seed,
+        shuffle_window=capacity if shuffle and capacity and capacity > batch_size else None,
+        columns=None if fields is None else [getattr(f, "name", f) for f in fields], read_threads=workers_count,
+        shard_by="row_groups", **decoding,
+    )
+    return _Read(options, num_epochs, kwargs.get("storage_options"))
 
 
 def _shard(cur_shard: Any, shard_count: Any) -> tuple[int, int]:
@@ -367,10 +366,8 @@ def _shard(cur_shard: Any, shard_count: Any) -> tuple[int, int]:
                 return int(rank), int(size)
         return 0, 1
     if not (isinstance(cur_shard, int) and isinstance(shard_count, int) and 0 <= cur_shard < shard_count):
-        raise ConfigError(
-            f"cur_shard={cur_shard!r}, shard_count={shard_count!r}: give both, with 0 <= cur_shard < shard_count "
-            "(e.g. cur_shard=hvd.rank(), shard_count=hvd.size()), or neither"
-        )
+        raise invalid("cur_shard, shard_count", (cur_shard, shard_count), "both, with 0 <= cur_shard < shard_count "
+                      "(e.g. cur_shard=hvd.rank(), shard_count=hvd.size()), or neither")
     return cur_shard, shard_count
 
 

@@ -152,7 +152,7 @@ def test_row_group_rows_caps_row_groups(spark: Any, tmp_path: Path) -> None:
         return
     ds = sparkdl.write_dataset(spark.range(100), tmp_path / "rg", num_files=1, row_group_rows=30)
     assert [f.row_groups for f in ds.manifest.files] == [(30, 30, 30, 10)]
-    with pytest.raises(ConfigError, match="row_group_rows=0"):
+    with pytest.raises(ConfigError, match=r"row_group_rows must be an integer >= 1 or None.*; got 0"):
         sparkdl.write_dataset(spark.range(100), tmp_path / "bad", row_group_rows=0)
 
 

@@ -70,7 +70,7 @@ def test_code_written_for_petastorms_converter_runs(spark, frame, tmp_path: Path
     # What has no equivalent is refused by name, with what to do instead.
     with pytest.raises(ConfigError, match=r"predicate=\.\.\.\) has no equivalent.*df\.filter"):
         converter.make_torch_dataloader(predicate=object())
-    with pytest.raises(ConfigError, match="cur_shard=3, shard_count=2"):
+    with pytest.raises(ConfigError, match=r"cur_shard, shard_count must be both.*; got \(3, 2\)"):
         converter.make_torch_dataloader(cur_shard=3, shard_count=2)
     converter.delete()
     assert not Path(converter.cache_dir_url[len("file://"):]).exists()

@@ -5,6 +5,7 @@ line count), no two modules of one name. Imports inside functions count as much 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,11 @@ def test_the_data_path_imports_its_stages_one_way() -> None:
         if (there := _data_stage(dep)) is not None and there > here
     ]
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_argument_errors_have_one_shape() -> None:
+    # "X must be ALLOWED; got V" (sparkdl/_internal/common/validate.py), not "X=V: give ..." beside it.
+    other = re.compile(r"=\{[^}]*!r\}\)?: (give|choose) ")
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in ROOT.rglob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if other.search(line)]
+    assert not found, f"argument errors of another shape (use common.validate.invalid): {found}"

@@ -7,7 +7,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.common.validate import int_at_least, is_number, positive_seconds
+from sparkdl._internal.common.validate import (
+    int_at_least,
+    invalid,
+    is_number,
+    one_of,
+    positive_seconds,
+)
 
 # Durations in seconds: each must be positive; timeout_s may also be None (no limit).
 _SECONDS = (
@@ -177,15 +183,13 @@ class RunConfig:
             positive_seconds(f"RunConfig.{name}", getattr(self, name))
         int_at_least("RunConfig.log_tail_lines", self.log_tail_lines, 0)
         if not is_number(self.straggler_factor) or not self.straggler_factor > 1:
-            raise ConfigError(
-                f"RunConfig.straggler_factor={self.straggler_factor!r}: give a number > 1 (1.5: a rank at two "
-                "thirds of the median step is a straggler)"
-            )
-        if self.console not in ("auto", "all", "dedupe"):
-            raise ConfigError(
-                f"RunConfig.console={self.console!r}: choose 'all' (every line of every rank), 'dedupe' (rank 0's "
-                "lines, and the lines other ranks print alike once) or 'auto' ('dedupe' from 8 ranks on)"
-            )
+            raise invalid("RunConfig.straggler_factor", self.straggler_factor,
+                          "a number > 1 (1.5: a rank at two thirds of the median step is a straggler)")
+        one_of("RunConfig.console", self.console, {
+            "all": "every line of every rank",
+            "dedupe": "rank 0's lines, and the lines other ranks print alike once",
+            "auto": "'dedupe' from 8 ranks on",
+        })
         int_at_least("RunConfig.keep_checkpoints", self.keep_checkpoints, 1)
         int_at_least("RunConfig.min_workers", self.min_workers, 1, allow_none=True,
                      note=" (the fewest ranks a shrunk gang may run on)")

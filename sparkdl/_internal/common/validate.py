@@ -8,9 +8,22 @@ can fix the call without reading sparkdl's source. ``what`` is the name as the u
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from sparkdl._internal.common.errors import ConfigError
+
+
+def invalid(what: str, value: Any, allowed: str) -> ConfigError:
+    """The error of every check: "``what`` must be ``allowed``; got ``value``"."""
+    return ConfigError(f"{what} must be {allowed}; got {value!r}")
+
+
+def one_of(what: str, value: Any, choices: dict[str, str]) -> Any:
+    """``value`` if it is one of ``choices`` (name -> what it means), else the error listing them."""
+    if not isinstance(value, str) or value not in choices:
+        raise invalid(what, value, "one of " + ", ".join(f"{name!r} ({meaning})" for name, meaning in choices.items()))
+    return value
 
 
 def is_number(value: Any) -> bool:
@@ -19,8 +32,8 @@ def is_number(value: Any) -> bool:
 
 
 def is_int(value: Any) -> bool:
-    """An ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (``int``, numpy's) that is not a ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def int_at_least(what: str, value: Any, minimum: int, *, note: str = "", allow_none: bool = False,
@@ -33,8 +46,7 @@ def int_at_least(what: str, value: Any, minimum: int, *, note: str = "", allow_n
         return None
     ok = is_int(value) or (integral_floats and is_number(value) and int(value) == value)
     if not ok or value < minimum:
-        tail = " or None" if allow_none else ""
-        raise ConfigError(f"{what} must be an integer >= {minimum}{tail}{note}; got {value!r}")
+        raise invalid(what, value, f"an integer >= {minimum}{' or None' if allow_none else ''}{note}")
     return int(value)
 
 
@@ -43,15 +55,14 @@ def positive_seconds(what: str, value: Any, *, allow_none: bool = False) -> floa
     if value is None and allow_none:
         return None
     if not is_number(value) or value <= 0:
-        suffix = " or None for no limit" if allow_none else ""
-        raise ConfigError(f"{what} must be a positive number of seconds{suffix}; got {value!r}")
+        raise invalid(what, value, "a positive number of seconds" + (" or None for no limit" if allow_none else ""))
     return float(value)
 
 
 def positive_number(what: str, value: Any) -> float:
     """``value`` as a float, or ConfigError "``what`` must be a positive number; got ..."."""
     if not is_number(value) or value <= 0:
-        raise ConfigError(f"{what} must be a positive number; got {value!r}")
+        raise invalid(what, value, "a positive number")
     return float(value)
 
 

@@ -26,7 +26,8 @@ for the default rank); ``tests/unit/test_layout.py`` checks the order:
   (:mod:`~sparkdl._internal.data.reading.petastorm_reader`); batches prepared ahead in a thread
   (:mod:`~sparkdl._internal.data.reading.prefetch`); an epoch resumed at another world size
   (:mod:`~sparkdl._internal.data.reading.reshard`).
-- The loader that joins them: :class:`Loader` (:mod:`~sparkdl._internal.data.loader`), one rank's
+- The loader that joins them: its settings as one checked object
+  (:mod:`~sparkdl._internal.data.loader_options`), :class:`Loader` (:mod:`~sparkdl._internal.data.loader`), one rank's
   batches epoch after epoch, as a ``tf.data`` dataset too (:mod:`~sparkdl._internal.data.tfdata`);
   :class:`Dataset` (:mod:`~sparkdl._internal.data.dataset`), the picklable handle that travels to the
   ranks (it imports the loader on use).

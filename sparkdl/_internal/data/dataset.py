@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.data.format.manifest import Manifest
 from sparkdl._internal.data.format.scan import open_manifest
+from sparkdl._internal.data.loader_options import LoaderOptions
 from sparkdl._internal.data.reading.files import ParquetFiles
 from sparkdl._internal.fs.storage import filesystem, normalize_url, redact
 
@@ -187,34 +188,11 @@ class Dataset(ParquetFiles):
                 Default: a quarter of the cores, 1 to 4. Up to this many row groups are in memory
                 at a time instead of one. Without shuffle a window is about one row group.
         """
+        options = LoaderOptions.from_call(locals())  # first: the keywords above, and self
         # Imported here: the loader brings numpy and pyarrow, which ``import sparkdl`` must not.
         from sparkdl._internal.data.loader import Loader
 
-        return Loader(
-            self,
-            batch_size,
-            epoch=epoch,
-            shuffle=shuffle,
-            seed=seed,
-            columns=columns,
-            drop_last=drop_last,
-            rank=rank,
-            world_size=world_size,
-            reader=reader,
-            transform=transform,
-            prefetch=prefetch,
-            shuffle_window=shuffle_window,
-            device=device,
-            pin_memory=pin_memory,
-            petastorm_workers=petastorm_workers,
-            to_device=to_device,
-            decode=decode,
-            decode_workers=decode_workers,
-            decode_in=decode_in,
-            on_bad_sample=on_bad_sample,
-            read_threads=read_threads,
-        )
-
+        return Loader(self, options)
 
     def tf_dataset(self, batch_size: int, **loader_args: Any) -> Any:
         """This rank's batches as a ``tf.data.Dataset`` (``backend="tensorflow"``): the loader of
@@ -231,9 +209,10 @@ class Dataset(ParquetFiles):
                     model = make_model()
                 model.fit(ds.tf_dataset(64, seed=7).map(lambda b: (b["features"], b["label"])), epochs=3)
         """
+        from sparkdl._internal.data.loader import Loader
         from sparkdl._internal.data.tfdata import tf_dataset
 
-        return tf_dataset(self.loader(batch_size, **loader_args))
+        return tf_dataset(Loader(self, LoaderOptions.of(batch_size, loader_args)))
 
 def written(url: str, manifest: Manifest) -> Dataset:
     """The handle of a dataset ``write_dataset`` has just written, without reading it back."""

@@ -59,27 +59,26 @@ the device, copied on a side CUDA stream while earlier steps compute (:mod:`~spa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
-
 from sparkdl._internal.common.errors import ConfigError, NotInRunError
+from sparkdl._internal.common.validate import int_at_least
 from sparkdl._internal.data.decoding.petastorm_codecs import with_codecs
 from sparkdl._internal.data.decoding.samples import (
     ROW,
-    SampleFn,
     SampleMap,
-    check_decode,
     default_workers,
 )
+from sparkdl._internal.data.loader_options import LoaderOptions
 from sparkdl._internal.data.reading.files import ParquetFiles
 from sparkdl._internal.data.reading.petastorm_reader import check_petastorm
 from sparkdl._internal.data.reading.plan import EpochPlan
 from sparkdl._internal.data.reading.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
 from sparkdl._internal.data.reading.read import LENGTHS_SUFFIX, Batch, BatchMaker
-from sparkdl._internal.data.reading.reshard import STATE_VERSION, Resume, epoch_batches, restore
+from sparkdl._internal.data.reading.reshard import STATE_VERSION, Reading, Resume, restore
 from sparkdl._internal.data.reading.selection import place, select_columns
 from sparkdl._internal.data.reading.spares import Spares
 
@@ -118,89 +117,49 @@ class Loader:
     learnt as batches arrive; a row group of unequal lengths raises
     :class:`~sparkdl.DatasetError` naming the column and the row group.
 
-    The arguments are those of :meth:`Dataset.loader`; ``dataset`` may be any
+    ``options`` are those of :meth:`Dataset.loader`, as one checked object
+    (:class:`~sparkdl._internal.data.loader_options.LoaderOptions`); ``dataset`` may be any
     :class:`~sparkdl._internal.data.reading.files.ParquetFiles`, of which ``Dataset`` is one. One more,
     for sparkdl's Petastorm converter: ``shard_by="row_groups"``, Petastorm's shards (row group
     ``g`` to rank ``g % world_size``) where they hold equal rows (:class:`EpochPlan`); such a
     state resumes at its own world size only.
     """
 
-    def __init__(
-        self,
-        dataset: ParquetFiles,
-        batch_size: int,
-        *,
-        epoch: int = 0,
-        shuffle: bool = True,
-        seed: int = 0,
-        columns: Sequence[str] | None = None,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        reader: str = "arrow",
-        transform: Callable[[Batch], Batch] | None = None,
-        prefetch: int = 4,
-        shuffle_window: int | None = None,
-        device: Any = None,
-        pin_memory: bool | None = None,
-        petastorm_workers: int = 2,
-        to_device: bool = False,
-        decode: Mapping[str, SampleFn] | None = None,
-        decode_workers: int | None = None,
-        decode_in: str = "threads",
-        on_bad_sample: str = "raise",
-        read_threads: int | None = None,
-        shard_by: str = "rows",
-    ) -> None:
-        _check_int("batch_size", batch_size, 1)
-        _check_int("epoch", epoch, 0)
-        _check_int("seed", seed, 0)
-        _check_int("prefetch", prefetch, 0)
-        _check_int("petastorm_workers", petastorm_workers, 1)
-        for name, value in (("shuffle_window", shuffle_window), ("read_threads", read_threads)):
-            if value is not None:
-                _check_int(name, value, 1)
-        if shard_by not in ("rows", "row_groups"):
-            raise ConfigError(f"shard_by={shard_by!r}: choose 'rows' (equal shares of the stream) or 'row_groups' "
-                              "(Petastorm's shards, where they hold equal rows)")
-        if reader not in ("arrow", "petastorm"):
-            raise ConfigError(f"reader={reader!r}: choose 'arrow' (sparkdl's reader) or 'petastorm'")
-        if transform is not None and not callable(transform):
-            raise ConfigError(f"transform must be callable (batch dict -> batch dict); got {type(transform).__name__}")
-        fns = with_codecs(dataset.manifest, check_decode(decode, decode_workers, decode_in, on_bad_sample), columns, reader)
-        if fns and reader != "arrow":
+    def __init__(self, dataset: ParquetFiles, options: LoaderOptions) -> None:
+        o = options
+        fns = with_codecs(dataset.manifest, dict(o.decode or {}), o.columns, o.reader)
+        if fns and o.reader != "arrow":
             raise ConfigError(
                 f"decode={{{', '.join(map(repr, fns))}: ...}} needs reader='arrow' (each sample's randomness "
                 "comes from its row in the dataset, which Petastorm's reader does not tell)"
             )
-        rank, world_size = _resolve_rank(rank, world_size)
-        selected = select_columns(dataset.manifest, columns, set(fns) - {ROW})
+        rank, world_size = _resolve_rank(o.rank, o.world_size)
+        selected = select_columns(dataset.manifest, o.columns, set(fns) - {ROW})
         batched = [getattr(f, "device", None) for f in fns.values() if getattr(f, "batched", False)]
-        if device is None and batched:
-            device = batched[0]  # batches decoded on a device are for that device
-        target, pin = device_and_pin(device, pin_memory, to_device, _run_device)
-        self._plan = EpochPlan(dataset.manifest, dataset.url, batch_size, shuffle=bool(shuffle), seed=seed,
-                               drop_last=bool(drop_last), rank=rank, world_size=world_size, shuffle_window=shuffle_window,
-                               shard_by=shard_by)
-        if reader == "petastorm":
+        device = o.device if o.device is not None or not batched else batched[0]  # decoded on a device: for it
+        target, pin = device_and_pin(device, o.pin_memory, o.to_device, _run_device)
+        self._plan = EpochPlan(dataset.manifest, dataset.url, o.batch_size, shuffle=bool(o.shuffle), seed=o.seed,
+                               drop_last=bool(o.drop_last), rank=rank, world_size=world_size,
+                               shuffle_window=o.shuffle_window, shard_by=o.shard_by)
+        if o.reader == "petastorm":
             check_petastorm(self._plan, selected, lengths_known=dataset.manifest.written_by_sparkdl)
         self._files = dataset
         self._spares = Spares()  # shuffle windows' arrays, reused from window to window and epoch to epoch
-        self._reader = reader
+        self._reader = o.reader
+        self._samples = SampleMap(
+            fns, seed=o.seed, workers=o.decode_workers or default_workers(), worker_kind=o.decode_in,
+            on_bad_sample=o.on_bad_sample, where=functools.partial(place, dataset.manifest),
+        ) if fns else None
+        threads = o.read_threads or min(4, max(1, default_workers() // 4))
         # What the reader thread needs, and nothing that refers back to this loader, so that
         # dropping the loader stops its thread.
-        self._samples = SampleMap(
-            fns, seed=seed, workers=decode_workers or default_workers(), worker_kind=decode_in,
-            on_bad_sample=on_bad_sample, where=functools.partial(place, dataset.manifest),
-        ) if fns else None
-        threads = read_threads or min(4, max(1, default_workers() // 4))
-        self._reading = (dataset, self._plan, BatchMaker(selected, pin, transform, self._samples, threads),
-                         self._spares, reader, petastorm_workers, prefetch > 0)
+        self._reading = Reading(dataset, self._plan, BatchMaker(selected, pin, o.transform, self._samples, threads),
+                                self._spares, o.reader, o.petastorm_workers, read_ahead=o.prefetch > 0)
         self._resume: Resume | None = None  # the rest of a resharded epoch, while in it
-        self._source = functools.partial(epoch_batches, *self._reading, None)
-        self._prefetch = prefetch
-        self._copy = DeviceCopy(target) if to_device else None
-        self._epoch = epoch
+        self._source = self._reading
+        self._prefetch = o.prefetch
+        self._copy = DeviceCopy(target) if o.to_device else None
+        self._epoch = o.epoch
         self._step = 0
         self._active: Iteration | None = None
         self._pump: Pump | None = None
@@ -261,7 +220,7 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Moves to ``epoch`` at position 0, unless the loader is already in ``epoch``."""
-        _check_int("epoch", epoch, 0)
+        int_at_least("epoch", epoch, 0)
         if epoch != self._epoch:
             self._close_active()
             self._stop_pump()
@@ -309,7 +268,7 @@ class Loader:
         self._set_resume(at.resume)
 
     def _set_resume(self, resume: Resume | None) -> None:
-        self._resume, self._source = resume, functools.partial(epoch_batches, *self._reading, resume)
+        self._resume, self._source = resume, dataclasses.replace(self._reading, resume=resume)
 
     # -- iteration -------------------------------------------------------------------------------
 
@@ -366,17 +325,8 @@ class Loader:
             self._set_resume(None)  # the pump, under way with the next epoch, reads it as planned
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigError(f"{name}={value!r}: give an integer >= {minimum}")
-
-
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if (rank is None) != (world_size is None):
-        raise ConfigError(
-            f"pass both rank and world_size, or neither (got rank={rank!r}, world_size={world_size!r}); "
-            "without them they come from sparkdl.context() or torch.distributed"
-        )
+    """The given rank and world size (LoaderOptions checked them), else the run's, else torch.distributed's, else 0 of 1."""
     if rank is None or world_size is None:
         from sparkdl._internal.rank.context import context
 
@@ -390,10 +340,6 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
-    _check_int("world_size", world_size, 1)
-    _check_int("rank", rank, 0)
-    if rank >= world_size:
-        raise ConfigError(f"rank={rank} must be below world_size={world_size}")
     return int(rank), int(world_size)
 
 

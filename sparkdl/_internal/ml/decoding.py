@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.common.validate import invalid
 from sparkdl._internal.data.decoding.images import ImageDecoder
 from sparkdl._internal.data.decoding.samples import one_torch_thread
 from sparkdl._internal.spark.confs import DECODE_THREADS
@@ -91,7 +92,7 @@ def decode_threads(session_conf: Any, spark_conf: Confs) -> int:
         except ValueError:
             n = 0
         if n < 1:
-            raise ConfigError(f"{DECODE_THREADS.name}={explicit!r}: give a whole number of threads, at least 1")
+            raise invalid(DECODE_THREADS.name, explicit, "a whole number of threads, at least 1")
         return n
 
     def number(key: str) -> float:

@@ -219,11 +219,11 @@ def test_decoder_processes_end_with_the_loader(photo_ds: Dataset) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "names"), [
-    ({"decode": ["content"]}, "decode must map column names"),
+    ({"decode": ["content"]}, "decode must be a mapping of column names"),
     ({"decode": {"content": 3}}, r"decode\['content'\] must be callable"),
-    ({"decode": {"content": SMALL}, "decode_in": "fibers"}, "decode_in='fibers'"),
-    ({"decode": {"content": SMALL}, "decode_workers": 0}, "decode_workers=0"),
-    ({"decode": {"content": SMALL}, "on_bad_sample": "ignore"}, "on_bad_sample='ignore'"),
+    ({"decode": {"content": SMALL}, "decode_in": "fibers"}, r"decode_in must be one of 'threads' .*; got 'fibers'"),
+    ({"decode": {"content": SMALL}, "decode_workers": 0}, r"decode_workers must be an integer >= 1 or None.*; got 0"),
+    ({"decode": {"content": SMALL}, "on_bad_sample": "ignore"}, r"on_bad_sample must be one of 'raise' .*'skip' .*; got 'ignore'"),
     ({"decode": {"content": SMALL}, "reader": "petastorm"}, "needs reader='arrow'"),
     ({"decode": {"content": SMALL}, "columns": ["label"]}, r"decode names \['content'\]"),
 ])
@@ -233,8 +233,9 @@ def test_bad_settings_name_themselves(photo_ds: Dataset, kwargs: dict[str, objec
 
 
 @pytest.mark.parametrize(("kwargs", "names"), [
-    ({"size": 0}, "size=0"), ({"crop": "corner"}, "crop='corner'"), ({"scale": (0.5, 0.1)}, "scale="),
-    ({"ratio": (0, 1)}, "ratio="), ({"max_pixels": 0}, "max_pixels=0"), ({"device": "tpu"}, "device='tpu'"),
+    ({"size": 0}, "ImageDecoder.size must be .*; got 0"), ({"crop": "corner"}, "ImageDecoder.crop must be .*; got 'corner'"),
+    ({"scale": (0.5, 0.1)}, r"ImageDecoder.scale must be .*; got \(0.5, 0.1\)"), ({"ratio": (0, 1)}, r"ImageDecoder.ratio must be .*; got \(0, 1\)"),
+    ({"max_pixels": 0}, "ImageDecoder.max_pixels must be .*; got 0"), ({"device": "tpu"}, "ImageDecoder.device must be .*; got 'tpu'"),
 ])
 def test_image_decoder_settings_are_checked(kwargs: dict[str, object], names: str) -> None:
     with pytest.raises(ConfigError, match=names):

@@ -71,7 +71,7 @@ def test_dali_names_bad_samples_or_skips_them(tmp_path: Path) -> None:
 
 
 def test_dali_settings_are_checked() -> None:
-    with pytest.raises(ConfigError, match=r"engine='opencv'"):
+    with pytest.raises(ConfigError, match=r"ImageDecoder.engine must be None .*'dali'; got 'opencv'"):
         ImageDecoder(engine="opencv")
     # DALI decodes batches: on the CPU unless a GPU is named; a decoder with a GPU keeps it.
     assert DALI.batched and DALI.device == "cpu"

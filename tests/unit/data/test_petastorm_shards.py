@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +17,7 @@ import pytest
 
 from sparkdl import ConfigError, Dataset
 from sparkdl._internal.data.loader import Loader
+from sparkdl._internal.data.loader_options import LoaderOptions
 
 B = 10
 EVEN = [(200, 50), (200, 50), (200, 50)]  # 12 row groups of 50 rows: even shards at 2, 3, 4 and 6 ranks
@@ -52,8 +54,8 @@ def _groups(ds: Dataset) -> list[np.ndarray]:
     return out
 
 
-def _loader(ds: Dataset, rank: int, world: int, **kw: object) -> Loader:
-    return Loader(ds, B, rank=rank, world_size=world, shard_by="row_groups", prefetch=0, **kw)  # type: ignore[arg-type]
+def _loader(ds: Dataset, rank: int, world: int, **kw: Any) -> Loader:
+    return Loader(ds, LoaderOptions(B, rank=rank, world_size=world, shard_by="row_groups", prefetch=0, **kw))
 
 
 def _epoch(loader: Loader, epoch: int) -> np.ndarray:
@@ -123,8 +125,8 @@ def test_a_mid_epoch_resume_continues_the_shard_and_another_world_size_is_refuse
 
 
 def test_an_unknown_shard_by_is_refused(even: Dataset) -> None:
-    with pytest.raises(ConfigError, match="shard_by='files'"):
-        Loader(even, B, shard_by="files")
+    with pytest.raises(ConfigError, match=r"shard_by must be one of 'rows' .*'row_groups' .*; got 'files'"):
+        LoaderOptions(B, shard_by="files")
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -183,5 +183,5 @@ def test_a_line_only_some_ranks_print_is_shown_once_after_the_hold(tmp_path: Pat
 def test_the_console_setting() -> None:
     assert [dedupes("auto", n) for n in (1, 7, 8, 1024)] == [False, False, True, True]
     assert dedupes("dedupe", 2) and not dedupes("all", 1024)
-    with pytest.raises(ConfigError, match=r"RunConfig.console='some'.*'dedupe'"):
+    with pytest.raises(ConfigError, match=r"RunConfig.console must be one of 'all' .*'dedupe' .*; got 'some'"):
         RunConfig(console="some")

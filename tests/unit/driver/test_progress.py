@@ -38,7 +38,7 @@ def test_step_reports_feed_the_spread_and_the_stragglers_but_not_the_metrics(cap
 
 
 def test_the_straggler_factor_is_checked() -> None:
-    with pytest.raises(ConfigError, match=r"straggler_factor=1.*a number > 1"):
+    with pytest.raises(ConfigError, match=r"RunConfig.straggler_factor must be a number > 1.*; got 1"):
         RunConfig(straggler_factor=1)
 
 

@@ -38,7 +38,7 @@ def test_a_task_decodes_on_the_cores_spark_gives_it() -> None:
     # The setting wins, read from the session.
     assert decode_threads({"spark.sparkdl.ml.decodeThreads": "3"}, GPU_EXECUTOR) == 3
     for bad in ("0", "two", "-1"):
-        with pytest.raises(ConfigError, match=rf"spark.sparkdl.ml.decodeThreads='{bad}': give a whole number"):
+        with pytest.raises(ConfigError, match=rf"spark.sparkdl.ml.decodeThreads must be a whole number of threads.*; got '{bad}'"):
             decode_threads({"spark.sparkdl.ml.decodeThreads": bad}, {})
 
 

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.common.validate import invalid
 from sparkdl._internal.data.decoding.image_files import BadImage, open_encoded, rgb, spark_image
 
 if TYPE_CHECKING:
@@ -90,23 +90,23 @@ class ImageDecoder:
     def __post_init__(self) -> None:
         h, w = self.out_size
         if h < 1 or w < 1:
-            raise ConfigError(f"ImageDecoder(size={self.size!r}): give a positive side, or (height, width)")
+            raise invalid("ImageDecoder.size", self.size, "a positive side, or (height, width)")
         if self.crop not in CROPS:
-            raise ConfigError(f"ImageDecoder(crop={self.crop!r}): choose one of {', '.join(map(repr, CROPS))}")
+            raise invalid("ImageDecoder.crop", self.crop, f"one of {', '.join(map(repr, CROPS))}")
         lo, hi = self.scale
         if not 0 < lo <= hi <= 1:
-            raise ConfigError(f"ImageDecoder(scale={self.scale!r}): give (low, high) with 0 < low <= high <= 1")
+            raise invalid("ImageDecoder.scale", self.scale, "(low, high) with 0 < low <= high <= 1")
         lo, hi = self.ratio
         if not 0 < lo <= hi:
-            raise ConfigError(f"ImageDecoder(ratio={self.ratio!r}): give (low, high) with 0 < low <= high")
+            raise invalid("ImageDecoder.ratio", self.ratio, "(low, high) with 0 < low <= high")
         if not 0 < self.center_fraction <= 1:
-            raise ConfigError(f"ImageDecoder(center_fraction={self.center_fraction!r}): give a fraction in (0, 1]")
+            raise invalid("ImageDecoder.center_fraction", self.center_fraction, "a fraction in (0, 1]")
         if self.max_pixels < 1:
-            raise ConfigError(f"ImageDecoder(max_pixels={self.max_pixels!r}): give a positive pixel count")
+            raise invalid("ImageDecoder.max_pixels", self.max_pixels, "a positive pixel count")
         if self.device is not None and not str(self.device).startswith(("cuda", "cpu")):
-            raise ConfigError(f"ImageDecoder(device={self.device!r}): give 'cuda', 'cuda:N', 'cpu' or None")
+            raise invalid("ImageDecoder.device", self.device, "'cuda', 'cuda:N', 'cpu' or None")
         if self.engine not in (None, "dali"):
-            raise ConfigError(f"ImageDecoder(engine={self.engine!r}): give None (sparkdl's own) or 'dali'")
+            raise invalid("ImageDecoder.engine", self.engine, "None (sparkdl's own) or 'dali'")
         if self.engine == "dali" and self.device is None:
             object.__setattr__(self, "device", "cpu")  # DALI decodes batches: on the CPU unless told
 

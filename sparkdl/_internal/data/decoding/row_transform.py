@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from sparkdl._internal.common.errors import ConfigError
+from sparkdl._internal.common.validate import invalid
 
 # A field as Petastorm's edit_fields give it: (name, numpy dtype, shape, nullable).
 Field = tuple[str, Any, tuple[Any, ...], bool]
@@ -100,7 +101,7 @@ def from_petastorm(spec: Any) -> TransformSpec:
     if isinstance(spec, TransformSpec):
         return spec
     if not all(hasattr(spec, a) for a in ("func", "edit_fields", "removed_fields", "selected_fields")):
-        raise ConfigError(f"transform_spec={spec!r}: give a TransformSpec (sparkdl.compat.petastorm or petastorm's)")
+        raise invalid("transform_spec", spec, "a TransformSpec (sparkdl.compat.petastorm's or petastorm's)")
     return TransformSpec(spec.func, list(spec.edit_fields or ()), list(spec.removed_fields or ()) or None,
                          list(spec.selected_fields) if spec.selected_fields is not None else None)
 

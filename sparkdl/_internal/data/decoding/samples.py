@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from sparkdl._internal.common.errors import ConfigError, DatasetError
+from sparkdl._internal.common.errors import DatasetError
 from sparkdl._internal.data.decoding.row_transform import outcome
 
 log = logging.getLogger("sparkdl.data")
@@ -51,8 +51,6 @@ ROW = "*"
 """``decode={ROW: fn}``: ``fn(row, rng)`` takes the whole row (a dict of its columns' values) and
 returns the batch's columns for it (a dict); the batch is then made of those columns alone
 (Petastorm's ``TransformSpec``, :mod:`sparkdl._internal.data.decoding.row_transform`)."""
-WORKER_KINDS = ("threads", "processes")
-ON_BAD = ("raise", "skip")
 _NAMING_COLUMNS = ("path", "origin", "filename", "file")
 _EXAMPLES = 5
 
@@ -60,28 +58,6 @@ _EXAMPLES = 5
 def sample_rng(seed: int, epoch: int, row: int) -> np.random.Generator:
     """The generator of one sample's random draws: a function of ``(seed, epoch, row)`` alone."""
     return np.random.default_rng([seed, epoch, row])
-
-
-def check_decode(decode: Mapping[str, SampleFn] | None, workers: int | None, worker_kind: str,
-                 on_bad_sample: str) -> dict[str, SampleFn]:
-    """The ``decode`` mapping, its settings checked (ConfigError names the one that is wrong)."""
-    if decode is None:
-        decode = {}
-    if not isinstance(decode, Mapping):
-        raise ConfigError(
-            f"decode must map column names to per-sample functions, e.g. decode={{'content': sparkdl.ImageDecoder(224)}}; "
-            f"got {type(decode).__name__}"
-        )
-    for name, fn in decode.items():
-        if not callable(fn):
-            raise ConfigError(f"decode[{name!r}] must be callable as fn(value, rng); got {type(fn).__name__}")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ConfigError(f"decode_workers={workers!r}: give an integer >= 1, or None for one per core")
-    if worker_kind not in WORKER_KINDS:
-        raise ConfigError(f"decode_in={worker_kind!r}: choose 'threads' (for functions that release the GIL) or 'processes'")
-    if on_bad_sample not in ON_BAD:
-        raise ConfigError(f"on_bad_sample={on_bad_sample!r}: choose 'raise' (stop, naming the row) or 'skip' (leave it out, count it)")
-    return dict(decode)
 
 
 def default_workers() -> int:
@@ -391,5 +367,5 @@ def _without(batch: dict[str, Any], keep: list[int], done: set[str]) -> dict[str
     return out
 
 
-__all__ = ["ON_BAD", "ROW", "WORKER_KINDS", "Pending", "SampleFn", "SampleMap", "Skipped", "check_decode",
+__all__ = ["ROW", "Pending", "SampleFn", "SampleMap", "Skipped",
            "default_workers", "sample_rng"]

@@ -163,15 +163,29 @@ class Resume:
             reader.close()
 
 
-def epoch_batches(files: ParquetFiles, plan: EpochPlan, make: BatchMaker, spares: Spares, reader: str, workers: int,
-                  read_ahead: bool, resume: Resume | None, epoch: int, step: int) -> Iterator[Batch]:
-    """The batches of ``epoch`` from ``step`` on: the rest of a resharded epoch when ``resume``
-    is that epoch's, else from the chosen reader as planned."""
-    if resume is not None and resume.epoch == epoch:
-        return resume.batches(files, make, step, read_ahead=read_ahead)
-    if reader == "petastorm":
-        return petastorm_batches(files, plan, make, workers, epoch, step)
-    return arrow_batches(files, plan, make, epoch, step, read_ahead=read_ahead, spares=spares)
+@dataclass(frozen=True)
+class Reading:
+    """What plays an epoch's batches (the loader's source, in its reader thread): the files, the
+    plan, the batch maker and the reader's settings, and nothing that refers back to the loader,
+    so that dropping the loader stops its thread. ``resume``: the rest of a resharded epoch."""
+
+    files: ParquetFiles
+    plan: EpochPlan
+    make: BatchMaker
+    spares: Spares
+    reader: str
+    petastorm_workers: int
+    read_ahead: bool
+    resume: Resume | None = None
+
+    def __call__(self, epoch: int, step: int) -> Iterator[Batch]:
+        """The batches of ``epoch`` from ``step`` on: the rest of a resharded epoch when ``resume``
+        is that epoch's, else from the chosen reader as planned."""
+        if self.resume is not None and self.resume.epoch == epoch:
+            return self.resume.batches(self.files, self.make, step, read_ahead=self.read_ahead)
+        if self.reader == "petastorm":
+            return petastorm_batches(self.files, self.plan, self.make, self.petastorm_workers, epoch, step)
+        return arrow_batches(self.files, self.plan, self.make, epoch, step, read_ahead=self.read_ahead, spares=self.spares)
 
 
 def covering_ranges(positions: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.common.validate import is_int
+from sparkdl._internal.common.validate import int_at_least, one_of
 from sparkdl._internal.data.dataset import Dataset, written
 from sparkdl._internal.data.format.scan import path_info
 from sparkdl._internal.data.writing.cache import write_cached
@@ -121,12 +121,9 @@ def write_to(
     # Duck-typed, so that Spark Connect DataFrames (another class on pyspark 3.5) pass too.
     if not all(hasattr(df, a) for a in ("sparkSession", "schema", "write", "semanticHash")):
         raise ConfigError(f"df must be a pyspark.sql.DataFrame; got {type(df).__name__}")
-    if vector_dtype not in ("float32", "float64"):
-        raise ConfigError(f"vector_dtype={vector_dtype!r}: choose 'float32' or 'float64'")
-    if not is_int(row_group_bytes) or row_group_bytes < 1024:
-        raise ConfigError(f"row_group_bytes={row_group_bytes!r}: give an integer of at least 1024 bytes")
-    if row_group_rows is not None and (not is_int(row_group_rows) or row_group_rows < 1):
-        raise ConfigError(f"row_group_rows={row_group_rows!r}: give an integer >= 1, or None for no row limit")
+    one_of("vector_dtype", vector_dtype, {"float32": "half the bytes", "float64": "Spark ML's own"})
+    int_at_least("row_group_bytes", row_group_bytes, 1024, note=" bytes")
+    int_at_least("row_group_rows", row_group_rows, 1, allow_none=True, note=" (None: no row limit)")
     if row_group_rows is not None:
         import pyspark
 
@@ -143,8 +140,7 @@ def write_to(
     else:
         if num_files is None:
             num_files = spark_api.of(spark).default_parallelism()
-        if not is_int(num_files) or num_files < 1:
-            raise ConfigError(f"num_files={num_files!r}: give an integer >= 1")
+        int_at_least("num_files", num_files, 1)
     selected, array_columns = _select_for_feeding(df, vector_dtype)
 
     options = {
