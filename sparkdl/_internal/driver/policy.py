@@ -4,10 +4,15 @@ No clock, no I/O, no Spark: the monitor (:mod:`sparkdl._internal.driver.monitor`
 reported into a :class:`Snapshot` (reading the checkpoint store only for the attempts that
 :func:`ready_to_judge` names), and :func:`judge` maps it to a :class:`Verdict`: keep waiting, or
 stop the Spark job now, and why, quoting the setting that bounds it. Spark itself reruns the gang
-while its stage attempts last; :func:`after_job` decides whether a new Spark job continues the
-count when they ran out first, and :func:`reschedule` whether a gang that lacks task slots after
+while its stage attempts last; :func:`reschedule` decides whether a gang that lacks task slots after
 a failure goes on with fewer ranks (``RunConfig.min_workers``). Every time it uses is a
 :class:`~sparkdl._internal.common.config.RunConfig` field.
+
+The launcher's other decisions are here too, as functions of what it observed: what follows a
+Spark job that ended without a result (:func:`next_job`: submit it again when Spark refused its
+slots, resize, go on in a new job, or fail), the bound on a gang that reports only at its end
+(:func:`blind`, :func:`after_relay`), and when a shrunk gang grows back (:func:`grow_back`,
+:func:`with_growth`).
 """
 
 from __future__ import annotations
@@ -256,3 +261,108 @@ def after_job(*, stopped: bool, attempts_used: int, max_attempts: int) -> Decisi
     if not stopped and 0 < attempts_used < max_attempts:
         return Decision.RERUN
     return Decision.STOP
+
+
+# -- between Spark jobs, and around the gang: the launcher observes, these decide ------------------
+
+# How long the launcher waits before it submits again a job that Spark refused for too few slots.
+SLOTS_RETRY_S = 1.0
+
+
+class Next(enum.Enum):
+    """What the launcher does after a Spark job of the run ended without rank 0's result."""
+
+    RETRY = "retry"  # submit the same job again after SLOTS_RETRY_S: Spark refused its slots
+    TOO_FEW_SLOTS = "too_few_slots"  # raise InsufficientSlotsError: refused until slot_wait_s
+    RESIZE = "resize"  # a new job runs the next attempt on JobStep.world_size ranks
+    NEW_JOB = "new_job"  # a new job continues the count of attempts
+    FAIL = "fail"  # raise the run's failure
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How one Spark job of the run ended, as the launcher saw it (times from one monotonic clock)."""
+
+    now: float
+    attempts_before: int  # gangs that had formed in the run before this job
+    attempts_after: int  # ... and after it
+    verdict: Verdict | None  # why the driver stopped the job itself, if it did
+    slots_refused: bool  # Spark refused the barrier stage for too few slots before any task ran
+    slots_until: float  # the end of slot_wait_s, counted from the run's start
+    max_attempts: int
+
+
+@dataclass(frozen=True)
+class JobStep:
+    action: Next
+    world_size: int | None = None  # RESIZE: the next gang's ranks
+
+
+def next_job(end: JobEnd) -> JobStep:
+    """After a Spark job that returned no result: retry, resize, go on, or fail.
+
+    Spark refuses a barrier stage with too few slots before any task runs (executors still
+    registering; over Spark Connect the driver cannot count them first), and its own rechecks do
+    not cover a stage that adaptive execution submits: the job is submitted again until
+    ``slot_wait_s``. A job in which no gang formed after earlier ones did fails the run: another
+    would fail the same way. A verdict to rerun on another number of ranks resizes; otherwise
+    :func:`after_job` decides.
+    """
+    if end.attempts_before == 0 and end.verdict is None and end.slots_refused:
+        return JobStep(Next.RETRY if end.now + SLOTS_RETRY_S <= end.slots_until else Next.TOO_FEW_SLOTS)
+    if end.attempts_after == end.attempts_before and end.verdict is None and end.attempts_before > 0:
+        return JobStep(Next.FAIL)
+    if end.verdict is not None and end.verdict.decision is Decision.RERUN and end.verdict.world_size:
+        return JobStep(Next.RESIZE, end.verdict.world_size)
+    decision = after_job(stopped=end.verdict is not None, attempts_used=end.attempts_after,
+                         max_attempts=end.max_attempts)
+    return JobStep(Next.NEW_JOB if decision is Decision.RERUN else Next.FAIL)
+
+
+def blind(elapsed_s: float, bound_s: float | None) -> Verdict:
+    """A job whose ranks report only at their end, through the relay hub (the executors cannot
+    reach the driver): stop it once ``start_timeout_s + timeout_s`` (``bound_s``) passed."""
+    if bound_s is not None and elapsed_s > bound_s:
+        return Verdict(
+            Decision.STOP,
+            f"no word from the ranks within start_timeout_s + timeout_s = {bound_s:g} s: they report through "
+            "Spark at the end of each attempt (the executors do not reach this driver: spark.sparkdl.channel)",
+            timed_out=True,
+        )
+    return Verdict(Decision.WAIT)
+
+
+def after_relay(hub_stop: str | None, hub_timed_out: bool, replayed: Verdict) -> Verdict | None:
+    """A relayed attempt ended without rank 0's result: stop (the hub's own bound passed, or the
+    policy stops on the replayed attempt, ``replayed``), or None to go on in a new job."""
+    if hub_stop is not None and hub_timed_out:
+        return Verdict(Decision.STOP, hub_stop, timed_out=True)
+    return replayed if replayed.decision is Decision.STOP else None
+
+
+@dataclass(frozen=True)
+class GrowState:
+    """A shrunk gang's watch for the slots to come back: the latest checkpoint when they did, or None."""
+
+    back_at: tuple[int | None] | None = None
+
+
+def grow_back(state: GrowState, *, free: int | None, tasks: int, latest: int | None,
+              num_workers: int) -> tuple[GrowState, int | None]:
+    """While a gang runs on fewer than ``num_workers`` ranks: once the cluster has ``free`` slots
+    for all ``tasks`` again (the gang's own count as free), the gang grows back to ``num_workers``
+    as soon as it commits a checkpoint newer than the ``latest`` it had when they came back, so
+    that the grown gang resumes where this one stopped. Returns the new state and the ranks to
+    grow to, or None. ``state.back_at`` going from None to set is when to say the slots are back."""
+    if free is None or free < tasks:
+        return GrowState(), None
+    if state.back_at is None:
+        return GrowState((latest,)), None
+    return state, num_workers if latest is not None and latest != state.back_at[0] else None
+
+
+def with_growth(verdict: Verdict, grow_to: int | None) -> Verdict:
+    """A gang that would go on (WAIT) stops to grow back to ``grow_to`` ranks in a new job."""
+    if verdict.decision is Decision.WAIT and grow_to:
+        return Verdict(Decision.RERUN, f"the gang grows back to {grow_to} ranks", world_size=grow_to)
+    return verdict

@@ -49,8 +49,6 @@ _SERVER_POLL_S = 2.0
 _SERVER_DOWN_S = 10.0
 # Once a Spark job ended, the longest wait for its tasks' connections to be read to their end.
 _DRAIN_S = 10.0
-# How long the driver waits before it submits again a job that Spark refused for too few slots.
-_SLOTS_RETRY_S = 1.0
 # How often a shrunk gang's driver asks for free slots, then for a newer checkpoint, to grow it back.
 _GROW_POLL_S = 1.0
 log = logging.getLogger(__name__)
@@ -105,35 +103,22 @@ class SparkLauncher(Launcher):
                                     "of each attempt (spark.sparkdl.channel=%s)", why, mode)
                     if outcome.result is not None:
                         return outcome.result
-                    if before == 0 and outcome.verdict is None and slots_refused(outcome.error):
-                        # Spark refused the barrier stage for too few slots before any task ran:
-                        # executors still registering (over Spark Connect the driver cannot count
-                        # them first). Spark's own rechecks do not cover a stage submitted by
-                        # adaptive execution, so the job is submitted again, within slot_wait_s.
-                        if time.monotonic() + _SLOTS_RETRY_S > slots_until:
-                            raise too_few_slots(job.run.world_size, job.run.tasks,
-                                                cfg.slot_wait_s, api.master)
+                    step = policy.next_job(policy.JobEnd(
+                        now=time.monotonic(), attempts_before=before, attempts_after=monitor.attempts_seen(),
+                        verdict=outcome.verdict, slots_refused=slots_refused(outcome.error), slots_until=slots_until,
+                        max_attempts=job.max_attempts,
+                    ))
+                    if step.action is policy.Next.RETRY:
                         if job_index == 1:
                             log.warning("sparkdl: Spark refused the gang's barrier stage: the cluster has fewer "
                                         "than %d task slots yet (executors still registering?); submitting it "
-                                        "again until slot_wait_s=%g s", job.run.tasks,
-                                        cfg.slot_wait_s)
-                        time.sleep(_SLOTS_RETRY_S)
-                        continue
-                    if monitor.attempts_seen() == before and outcome.verdict is None and before > 0:
-                        # No gang formed in this job (its tasks failed before they reported): another
-                        # job would fail the same way.
-                        raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
-                    verdict = outcome.verdict
-                    if verdict is not None and verdict.decision is policy.Decision.RERUN and verdict.world_size:
-                        payload = _resized(payload, verdict.world_size, job.run.world_size, monitor)
-                        continue
-                    decision = policy.after_job(
-                        stopped=outcome.verdict is not None,
-                        attempts_used=monitor.attempts_seen(),
-                        max_attempts=job.max_attempts,
-                    )
-                    if decision is not policy.Decision.RERUN:
+                                        "again until slot_wait_s=%g s", job.run.tasks, cfg.slot_wait_s)
+                        time.sleep(policy.SLOTS_RETRY_S)
+                    elif step.action is policy.Next.TOO_FEW_SLOTS:
+                        raise too_few_slots(job.run.world_size, job.run.tasks, cfg.slot_wait_s, api.master)
+                    elif step.action is policy.Next.RESIZE:
+                        payload = _resized(payload, step.world_size or job.run.world_size, job.run.world_size, monitor)
+                    elif step.action is policy.Next.FAIL:
                         raise failure(monitor, outcome.error, outcome.verdict, job.max_attempts, api.python_exec, outcome.gone)
             finally:
                 # Every task closed its connection before its Spark task ended: what the ranks
@@ -193,12 +178,10 @@ class SparkLauncher(Launcher):
                     if outcome.gone is not None:
                         verdict = policy.Verdict(policy.Decision.STOP, outcome.gone)
                     elif quiet:
-                        verdict = _blind_check(started, cfg)
+                        verdict = policy.blind(time.monotonic() - started, relay.blind_bound(cfg))
                     else:
                         verdict = monitor.check(started, slots)
-                    if verdict.decision is policy.Decision.WAIT and grown:
-                        verdict = policy.Verdict(policy.Decision.RERUN, f"the gang grows back to {grown} ranks",
-                                                 world_size=grown)
+                    verdict = policy.with_growth(verdict, grown)
                     if verdict.decision is not policy.Decision.WAIT:
                         outcome.verdict = verdict
                         monitor.stopping = verdict.reason
@@ -233,7 +216,9 @@ class SparkLauncher(Launcher):
                 # The stacks the last failure asked for may still be on their way.
                 monitor.collect_stacks(ask=False)
             elif outcome.result is None and outcome.relayed is not None:
-                outcome.verdict = _after_relay(outcome.relayed, monitor, started)
+                with monitor.cond:
+                    replayed = monitor.check(started)
+                outcome.verdict = policy.after_relay(outcome.relayed.stop, outcome.relayed.timed_out, replayed)
         return outcome
 
 
@@ -269,29 +254,6 @@ def _cancel(api: SparkApi, group: str, wait_s: float) -> None:
     thread = threading.Thread(target=api.cancel, args=(group,), name="sparkdl-cancel", daemon=True)
     thread.start()
     thread.join(wait_s)
-
-
-def _blind_check(started: float, cfg: RunConfig) -> policy.Verdict:
-    """The driver's bound on a job whose ranks report through the relay hub (at their end)."""
-    bound = relay.blind_bound(cfg)
-    if bound is not None and time.monotonic() - started > bound:
-        return policy.Verdict(
-            policy.Decision.STOP,
-            f"no word from the ranks within start_timeout_s + timeout_s = {bound:g} s: they report through "
-            "Spark at the end of each attempt (the executors do not reach this driver: spark.sparkdl.channel)",
-            timed_out=True,
-        )
-    return policy.Verdict(policy.Decision.WAIT)
-
-
-def _after_relay(relayed: relay.Replayed, monitor: Monitor, started: float) -> policy.Verdict | None:
-    """A relayed attempt ended without rank 0's result: whether the run stops (the hub's bound,
-    or the failure policy on the replayed attempt), or None to go on in a new job."""
-    if relayed.stop is not None and relayed.timed_out:
-        return policy.Verdict(policy.Decision.STOP, relayed.stop, timed_out=True)
-    with monitor.cond:
-        verdict = monitor.check(started)
-    return verdict if verdict.decision is policy.Decision.STOP else None
 
 
 class _SlotWatch:
@@ -338,16 +300,15 @@ def _job_thread(api: SparkApi, target: Any, name: str) -> threading.Thread:
 
 
 class _GrowWatch:
-    """While a gang runs on fewer than ``num_workers`` ranks: the ranks to grow it back to, once
-    the cluster has the task slots for all of them again (asked every :data:`_GROW_POLL_S`) and
-    the running attempt committed a checkpoint newer than the one it had when they came back,
-    so that the grown gang resumes where this one stopped. Never, for a run without checkpoints."""
+    """While a gang runs on fewer than ``num_workers`` ranks: asks the cluster for free slots
+    every :data:`_GROW_POLL_S`, and the policy (:func:`policy.grow_back`) when to grow the gang
+    back. Never, for a run without checkpoints."""
 
     def __init__(self, api: SparkApi, monitor: Monitor, run: RunSpec) -> None:
         self._api, self._monitor = api, monitor
         self._num_workers, self._tasks = run.world_size, run.tasks
         self._polled = 0.0
-        self._back: tuple[int | None] | None = None  # the latest checkpoint when the slots came back
+        self._state = policy.GrowState()
 
     def poll(self, group: str, *, running: bool) -> int | None:
         now = time.monotonic()
@@ -355,16 +316,13 @@ class _GrowWatch:
             return None
         self._polled = now
         free = self._api.free_slots(group)  # ours included: the slots this gang holds count as free
-        if free is None or free < self._tasks:
-            self._back = None
-            return None
-        latest = self._monitor.latest_checkpoint()
-        if self._back is None:
-            self._back = (latest,)
+        was = self._state
+        self._state, grow_to = policy.grow_back(was, free=free, tasks=self._tasks, num_workers=self._num_workers,
+                                                latest=self._monitor.latest_checkpoint() if (free or 0) >= self._tasks else None)
+        if was.back_at is None and self._state.back_at is not None:
             log.warning("sparkdl: the cluster has %d free task slots again: the gang grows back to "
                         "num_workers=%d ranks after its next checkpoint", free, self._num_workers)
-            return None
-        return self._num_workers if latest is not None and latest != self._back[0] else None
+        return grow_to
 
 
 def _resized(payload: TaskPayload, world_size: int, num_workers: int, monitor: Monitor) -> TaskPayload:
