@@ -1,5 +1,6 @@
 """Why a run failed, as the error it raises: from the monitor's records of every attempt and the
-verdict (or Spark's error) that ended its last Spark job."""
+verdict (or Spark's error) that ended its last Spark job (:func:`failure`), or that stopped its
+ranks on the driver (:func:`failure_on_driver`); the reports of both launchers are built here."""
 
 from __future__ import annotations
 
@@ -80,6 +81,22 @@ def failure(monitor: Monitor, error: BaseException | None, verdict: policy.Verdi
         hint = f"{stragglers}\n{hint}"
     report, root = build_report(records, headline=headline, hint=hint)
     return RunFailedError(report, attempts=attempts, root_cause=root)
+
+
+def failure_on_driver(monitor: Monitor, verdict: policy.Verdict, processes: int, timeout_s: float | None) -> SparkDLError:
+    """The error a run of ``processes`` ranks on the driver raises (no reruns there) when the
+    policy stopped it with ``verdict``."""
+    records = monitor.sorted_records()
+    if verdict.timed_out:
+        why = f"the run on the driver took longer than timeout_s={timeout_s:g} s (RunConfig.timeout_s)"
+        report, _ = build_report(records, headline=f"sparkdl stopped: {why}.", hint="Raise timeout_s if the run needs longer.")
+        return RunTimeoutError(report, attempts=1, root_cause=why)
+    report, root = build_report(
+        records,
+        headline=f"the run on the driver failed ({processes} local processes; no reruns on the driver).",
+        hint="Fix the root cause above; on a cluster, sparkdl.run reruns failed gangs.",
+    )
+    return RunFailedError(report, attempts=1, root_cause=root)
 
 
 # Spark's BarrierJobSlotsNumberCheckFailed: a barrier stage needs more slots than the cluster has.

@@ -25,18 +25,17 @@ from typing import Any
 from sparkdl._internal.backends import check_driver, get_backend
 from sparkdl._internal.backends.base import LocalJob, TaskPart
 from sparkdl._internal.common.config import RunConfig
-from sparkdl._internal.common.errors import ConfigError, RunFailedError, RunTimeoutError
+from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import int_at_least
 from sparkdl._internal.driver import policy
+from sparkdl._internal.driver.failure import failure_on_driver
 from sparkdl._internal.driver.launcher import Job, Launcher, pickle_payload
 from sparkdl._internal.driver.monitor import Monitor
 from sparkdl._internal.driver.output import RankOutput, dedupes
 from sparkdl._internal.driver.progress import MetricsLog, Progress
-from sparkdl._internal.driver.report import build_report
 from sparkdl._internal.fs.private import user_dir
 from sparkdl._internal.task.rankproc import RankProcess
 from sparkdl._internal.wire.messages import (
-    Exited,
     Gang,
     Hello,
     LogLine,
@@ -46,7 +45,7 @@ from sparkdl._internal.wire.messages import (
     Started,
 )
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, RunSpec
-from sparkdl._internal.wire.workdir_files import read_error, result_path
+from sparkdl._internal.wire.workdir_files import result_path
 
 _HOST = "127.0.0.1"
 # After the first failure, the other ranks get this long to record their own outcome.
@@ -144,13 +143,8 @@ def _watch(proc: RankProcess, monitor: Monitor, part: TaskPart) -> None:
     code = proc.wait()
     if code != 0 and monitor.stopping is not None:
         return  # stopped by the driver after another rank failed: it stays "stopped while running"
-    ended = time.time()
-    error, tb, at = read_error(proc.workdir) if code != 0 else (None, None, None)
-    error = error or part.lost
-    exit_signal = -code if code < 0 else None
     # Reported at exit, not when the loop notices: the root cause is the first rank to exit.
-    monitor.rank_event(0, proc.spec.rank, Exited(None if exit_signal else code, exit_signal, error, tb,
-                                                 (at or ended) if code != 0 else None))
+    monitor.rank_event(0, proc.spec.rank, proc.exited(code, part.lost))
     if code != 0:
         part.ended(code)  # once its failure is recorded: the backend's job (Open MPI's) then ends
 
@@ -190,17 +184,7 @@ def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path
         proc.kill()
     for t in watchers:
         t.join(timeout=10)
-    records = monitor.sorted_records()
-    if verdict.timed_out:
-        why = f"the run on the driver took longer than timeout_s={cfg.timeout_s:g} s (RunConfig.timeout_s)"
-        report, _ = build_report(records, headline=f"sparkdl stopped: {why}.", hint="Raise timeout_s if the run needs longer.")
-        raise RunTimeoutError(report, attempts=1, root_cause=why)
-    report, root_line = build_report(
-        records,
-        headline=f"the run on the driver failed ({len(procs)} local processes; no reruns on the driver).",
-        hint="Fix the root cause above; on a cluster, sparkdl.run reruns failed gangs.",
-    )
-    raise RunFailedError(report, attempts=1, root_cause=root_line)
+    raise failure_on_driver(monitor, verdict, len(procs), cfg.timeout_s)
 
 
 def run_on_driver(

@@ -39,7 +39,6 @@ from sparkdl._internal.wire.messages import (
     Stop,
 )
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec
-from sparkdl._internal.wire.workdir_files import read_error
 
 
 class RankFailed(RuntimeError):
@@ -167,17 +166,13 @@ class Lane:
             # The driver ended (a Spark Connect client that disconnected): nobody waits for this run.
             raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} was stopped: the driver "
                              "closed its channel (the driver program or Spark Connect client ended)")
+        exited = proc.exited(code, part.lost)
+        link.send(exited)
         if code != 0:
-            ended = time.time()
-            error, tb, failed_at = read_error(self.workdir)
-            error = error or part.lost
-            exit_signal = -code if code < 0 else None
-            link.send(Exited(None if exit_signal else code, exit_signal, error, tb, failed_at or ended))
-            how = f"was killed by signal {exit_signal}" if exit_signal else f"exited with code {code}"
-            detail = f": {error}" if error else ""
+            how = f"was killed by signal {exited.signal}" if exited.signal else f"exited with code {code}"
+            detail = f": {exited.error}" if exited.error else ""
             last = "\n".join(proc.tail)
             raise RankFailed(f"sparkdl rank {rank} (attempt {attempt}) on {host} {how}{detail}\n{last}")
-        link.send(Exited(0, None))
 
     def end(self, why: str) -> None:
         """Ends the rank without a report of its own: ``why`` (a rank of its task failed)."""

@@ -31,7 +31,7 @@ from sparkdl._internal.common.net import iface_for
 from sparkdl._internal.rank.main import LIFELINE_FRAME, STACK_SIGNAL
 from sparkdl._internal.task.spawn import ProcessHandle, start_rank
 from sparkdl._internal.wire import workdir_files
-from sparkdl._internal.wire.messages import MAX_LINE_BYTES
+from sparkdl._internal.wire.messages import MAX_LINE_BYTES, Exited
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, gang_env, rank_env, write_secrets
 
 # How long a rank has to write its stacks once signalled, and the most of them kept.
@@ -275,6 +275,17 @@ class RankProcess:
         for relay in self._relays:
             relay.thread.join(timeout=10)
         return code
+
+    def exited(self, code: int, lost: str | None = None) -> Exited:
+        """How the rank ended, as both launchers report it: exit ``code`` (from :meth:`wait`) and,
+        when it failed, the error and traceback it wrote (``error.json``) or else ``lost``, what its
+        backend's job said of it, and when it failed."""
+        if code == 0:
+            return Exited(0, None)
+        ended = time.time()
+        error, tb, failed_at = workdir_files.read_error(self.workdir)
+        exit_signal = -code if code < 0 else None
+        return Exited(None if exit_signal else code, exit_signal, error or lost, tb, failed_at or ended)
 
     def dump_stacks(self, timeout: float = STACK_DUMP_S) -> str | None:
         """Every thread's Python stack of the running rank, innermost frame first, with source
