@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import hmac
 import json
 import threading
 import time
@@ -32,25 +30,16 @@ from sparkdl._internal.driver.progress import MetricsLog, Progress
 from sparkdl._internal.wire.channel import ChannelError, FramedConnection, Message
 from sparkdl._internal.wire.messages import LogLine, LogLines, Metric, RankState, Stop, decode
 from sparkdl._internal.wire.rankspec import RunSpec
+from sparkdl._internal.wire.relay_record import STOP_EVENT, Body, Record
 from sparkdl._internal.wire.server import ChannelServer
 
-_DOMAIN = b"sparkdl-relay-record\n"
 # Output kept for the driver, in all; past it lines are counted, not kept (ends always are).
 MAX_LOG_BYTES = 64 * 1024 * 1024
 # Metrics kept for the driver, in all (their JSON); past it they are counted, not kept.
 MAX_METRIC_BYTES = 16 * 1024 * 1024
 _POLL_S = 0.25
-_STOP_EVENT = -1
 # After the hub's Stop: how long, beyond kill_grace_s, the tasks have to end and hang up.
 _SETTLE_S = 5.0
-
-
-@dataclass(frozen=True)
-class Record:
-    """What task 0 yields: whether every rank succeeded, and the signed record of the attempt."""
-
-    succeeded: bool
-    blob: bytes
 
 
 @dataclass(frozen=True)
@@ -167,7 +156,7 @@ class Hub:
                     mon.cond.wait(_POLL_S)
                     continue
                 self._stop = reason
-                self._events.append((_STOP_EVENT, None))  # when, among the ranks' messages
+                self._events.append((STOP_EVENT, None))  # when, among the ranks' messages
                 if self._timed_out:
                     mon.stopping = reason  # ranks it stops are not lost: the report says why
             # The stacks of the running ranks: asked when a rank failed (the monitor did) or now.
@@ -190,40 +179,14 @@ class Hub:
             recs = self._records()
             succeeded = (self._stop is None and len(recs) == self.run.world_size
                          and all(rec.state is RankState.SUCCEEDED for rec in recs))
-            body = {
-                "run": self.run.run_id,
-                "first_attempt": self.first_attempt,
-                "events": self._events,
-                "stacks": [[r.attempt, r.rank, r.stack, r.stack_when] for r in recs if r.stack],
-                "stop": self._stop,
-                "timed_out": self._timed_out,
-                "dropped_lines": self._dropped,
-                "dropped_metrics": self._dropped_metrics,
-            }
-        return Record(succeeded, sign(self._secret, json.dumps(body, separators=(",", ":")).encode()))
+            body = Body(self.run.run_id, self.first_attempt, list(self._events),
+                        [(r.attempt, r.rank, r.stack, r.stack_when) for r in recs if r.stack],
+                        stop=self._stop, timed_out=self._timed_out, dropped_lines=self._dropped,
+                        dropped_metrics=self._dropped_metrics)
+        return Record(succeeded, body.signed(self._secret))
 
     def close(self) -> None:
         self._server.close()
-
-
-def _tag(secret: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, _DOMAIN + body, hashlib.sha256).digest()
-
-
-def sign(secret: bytes, body: bytes) -> bytes:
-    return _tag(secret, body) + body
-
-
-def verified(secret: bytes, blob: bytes) -> dict[str, Any]:
-    """The record in ``blob`` if its signature is the run's; SparkDLError otherwise."""
-    tag, body = blob[:32], blob[32:]
-    if len(blob) < 32 or not hmac.compare_digest(tag, _tag(secret, body)):
-        raise SparkDLError(
-            "the ranks' relayed record (their output and ends, returned through Spark because the executors "
-            "cannot reach this driver) failed authentication: it was not written by this run's tasks"
-        )
-    record: dict[str, Any] = json.loads(body)
-    return record
 
 
 class _Replay:
@@ -235,16 +198,16 @@ class _Replay:
 
 def replay(blob: bytes, secret: bytes, run_id: str, first_attempt: int, monitor: Monitor) -> Replayed:
     """Feeds the hub's record into the driver's monitor, as if its tasks had reported live."""
-    record = verified(secret, blob)
-    if record.get("run") != run_id or record.get("first_attempt") != first_attempt:
+    record = Body.verified(secret, blob)
+    if record.run != run_id or record.first_attempt != first_attempt:
         raise SparkDLError(
-            f"the ranks' relayed record is of run {record.get('run')} attempt {record.get('first_attempt')}, "
+            f"the ranks' relayed record is of run {record.run} attempt {record.first_attempt}, "
             f"not of run {run_id} attempt {first_attempt} (a record from another Spark job)"
         )
-    stop, timed_out = record.get("stop"), bool(record.get("timed_out"))
+    stop, timed_out = record.stop, record.timed_out
     conns: dict[int, Any] = {}
-    for index, frame in record.get("events", []):
-        if index == _STOP_EVENT:
+    for index, frame in record.events:
+        if index == STOP_EVENT:
             if stop and timed_out:
                 with monitor.cond:  # the ranks the hub stopped for a bound are not lost
                     monitor.stopping = stop
@@ -258,12 +221,12 @@ def replay(blob: bytes, secret: bytes, run_id: str, first_attempt: int, monitor:
                 monitor.on_message(conn, frame)
         except (ChannelError, KeyError, OSError):
             continue  # a frame the driver cannot place (it was refused on the live channel too)
-    for attempt, rank, text, when in record.get("stacks", []):
+    for attempt, rank, text, when in record.stacks:
         monitor.relayed_stacks(attempt, rank, text, when)
-    dropped = int(record.get("dropped_lines", 0))
+    dropped = record.dropped_lines
     if dropped:
         print(f"sparkdl: {dropped} lines of the ranks' output were not relayed (over {MAX_LOG_BYTES >> 20} MiB)")
-    dropped_metrics = int(record.get("dropped_metrics", 0))
+    dropped_metrics = record.dropped_metrics
     if dropped_metrics:
         print(f"sparkdl: {dropped_metrics} metric records of the ranks were not relayed (over "
               f"{MAX_METRIC_BYTES >> 20} MiB); log fewer, or let the executors reach the driver "

@@ -23,6 +23,7 @@ from sparkdl._internal.task.payload import TaskPayload
 from sparkdl._internal.task.spawn import Zygote
 from sparkdl._internal.wire.gang_member import Member
 from sparkdl._internal.wire.rankspec import RankSpec, RunSpec
+from sparkdl._internal.wire.relay_record import RelayHub
 from sparkdl._internal.wire.result_chunks import record_rows, result_rows
 from sparkdl._internal.wire.workdir_files import result_path
 
@@ -44,12 +45,12 @@ def task_main(payload: TaskPayload, batches: Iterator[Any]) -> Iterator[Any]:
     host = payload.rank_host or host_of(ctx.getTaskInfos()[task].address)
     secret = bytes.fromhex(payload.secret_hex)
     lanes: list[Lane] = []
-    hub: Any = None
+    hub: RelayHub | None = None
     # A rank started as a fresh interpreter is this worker's child: what it orphans comes here.
     adopting = proctree.set_subreaper()
     try:
         gpus = _assigned_gpus(ctx, run, task)
-        if task == 0 and payload.channel != "direct":
+        if task == 0 and payload.channel != "direct" and payload.hub is not None:
             # Started before the gang forms: its port travels with the gang's addresses.
             hub = payload.hub(host, secret, run, payload.first_attempt)
         for local in range(per_task):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from sparkdl._internal.spark.reach import Marker
 from sparkdl._internal.wire.rankspec import RunSpec
+from sparkdl._internal.wire.relay_record import HubFactory
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class TaskPayload:
     # How the task reports (sparkdl._internal.spark.spark_api.CHANNEL_MODES): "direct" to the driver, "relay"
     # through the hub in task 0 and Spark's result rows, "auto" direct when it reaches the driver.
     channel: str = "direct"
-    # With "relay"/"auto": what task 0 starts as the gang's hub, hub(host, secret, run,
-    # first_attempt) (sparkdl._internal.driver.relay.Hub), and the attempt number it gives the gang.
-    hub: Any = None
+    # With "relay"/"auto": what task 0 starts as the gang's hub (sparkdl._internal.driver.relay.Hub,
+    # a driver-side class shipped by the driver, as the task may not import it), and the attempt
+    # number it gives the gang.
+    hub: HubFactory | None = None
     first_attempt: int = 0

@@ -3,7 +3,7 @@
 them (:func:`join`).
 
 Chunks 0, 1, ... are rank 0's pickled return value, cut in pieces of :data:`CHUNK_BYTES`; chunks
--1, -2, ... are the relay hub's record of the attempt (sparkdl._internal.driver.relay), when the
+-1, -2, ... are the relay hub's record of the attempt (:mod:`sparkdl._internal.wire.relay_record`), when the
 ranks reported through it. Rows arrive in any order; their numbers put them back.
 """
 

@@ -6,7 +6,6 @@ job is refused. Relayed runs on a real session are in tests/integration/test_rel
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -16,6 +15,7 @@ from sparkdl._internal.common.errors import SparkDLError
 from sparkdl._internal.driver import relay
 from sparkdl._internal.driver.monitor import Monitor
 from sparkdl._internal.driver.progress import MetricsLog, Progress
+from sparkdl._internal.wire.relay_record import Body
 
 
 def _monitor() -> Monitor:
@@ -23,16 +23,16 @@ def _monitor() -> Monitor:
 
 
 def _record(secret: bytes, run_id: str = "r1", first_attempt: int = 0, metrics: tuple[dict, ...] = ()) -> bytes:
-    body = {"run": run_id, "first_attempt": first_attempt, "stop": None, "timed_out": False, "dropped_lines": 0,
-            "stacks": [],
-            "events": [[0, {"t": "hello", "r": 0, "a": -1, "host": "h0", "task_pid": 1, "tid": 10}],
-                       [0, {"t": "gang", "r": 0, "a": -1, "tids": [10, 11]}],
-                       [0, {"t": "started", "r": 0, "a": first_attempt, "pid": 5}],
-                       [0, {"t": "log", "r": 0, "a": first_attempt, "s": "o", "l": "relayed line", "more": False}],
-                       *([0, {"t": "metric", "r": 0, "a": first_attempt, "m": m}] for m in metrics),
-                       [0, {"t": "exit", "r": 0, "a": first_attempt, "code": 0, "signal": None}],
-                       [0, None]]}
-    return relay.sign(secret, json.dumps(body).encode())
+    events: list[tuple[int, dict | None]] = [
+        (0, {"t": "hello", "r": 0, "a": -1, "host": "h0", "task_pid": 1, "tid": 10}),
+        (0, {"t": "gang", "r": 0, "a": -1, "tids": [10, 11]}),
+        (0, {"t": "started", "r": 0, "a": first_attempt, "pid": 5}),
+        (0, {"t": "log", "r": 0, "a": first_attempt, "s": "o", "l": "relayed line", "more": False}),
+        *((0, {"t": "metric", "r": 0, "a": first_attempt, "m": m}) for m in metrics),
+        (0, {"t": "exit", "r": 0, "a": first_attempt, "code": 0, "signal": None}),
+        (0, None),
+    ]
+    return Body(run_id, first_attempt, events, []).signed(secret)
 
 
 def test_a_signed_record_replays_into_the_drivers_monitor(capsys: pytest.CaptureFixture[str]) -> None:
