@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sparkdl._internal.common.errors import ConfigError
@@ -19,10 +20,11 @@ def invalid(what: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{what} must be {allowed}; got {value!r}")
 
 
-def one_of(what: str, value: Any, choices: dict[str, str]) -> Any:
-    """``value`` if it is one of ``choices`` (name -> what it means), else the error listing them."""
+def one_of(what: str, value: Any, choices: Mapping[str, str] | Sequence[str]) -> Any:
+    """``value`` if it is one of ``choices`` (names, or name -> what it means), else the error listing them."""
     if not isinstance(value, str) or value not in choices:
-        raise invalid(what, value, "one of " + ", ".join(f"{name!r} ({meaning})" for name, meaning in choices.items()))
+        named = (f"{name!r} ({choices[name]})" if isinstance(choices, Mapping) else repr(name) for name in choices)
+        raise invalid(what, value, "one of " + ", ".join(named))
     return value
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkdl._internal.backends import BACKENDS, check_driver, get_backend
@@ -19,7 +20,7 @@ from sparkdl._internal.ckpt.fence import RunLease
 from sparkdl._internal.ckpt.store import CheckpointStore
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError
-from sparkdl._internal.common.validate import int_at_least, nearest_multiples
+from sparkdl._internal.common.validate import int_at_least, invalid, nearest_multiples, one_of
 from sparkdl._internal.driver import cluster
 from sparkdl._internal.driver.launcher import Job, pickle_payload
 from sparkdl._internal.driver.monitor import Monitor
@@ -68,19 +69,8 @@ def run(
 
         state = sparkdl.run(train, 0.1, num_workers=2)
     """
-    result: RunResult = launch(
-        fn,
-        *args,
-        num_workers=num_workers,
-        backend=backend,
-        use_gpu=use_gpu,
-        max_attempts=max_attempts,
-        config=config,
-        spark=spark,
-        checkpoint_dir=checkpoint_dir,
-        **kwargs,
-    )
-    value: T = result.value
+    options = LaunchOptions.from_call(locals())  # first: the keywords above
+    value: T = _launch(fn, args, kwargs, options).value
     return value
 
 
@@ -156,28 +146,57 @@ def launch(
         RunFailedError: every attempt failed; the message is the per-rank report.
         RunTimeoutError: the gang did not start, or an attempt did not finish, within its bound.
     """
-    cfg = config or RunConfig()
-    if max_attempts is not None:
-        cfg = cfg.replace(max_attempts=max_attempts)
+    return _launch(fn, args, kwargs, LaunchOptions.from_call(locals()))
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """``run``'s and ``launch``'s keywords as one object, checked when made (before any task
+    starts); their meaning is documented on :func:`launch`. ``config`` holds ``max_attempts``
+    when that was given."""
+
+    num_workers: int
+    backend: str = "torch"
+    use_gpu: bool | None = None
+    config: RunConfig = field(default_factory=RunConfig)
+    spark: Any = None  # SparkSession | None
+    checkpoint_dir: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        int_at_least("num_workers", self.num_workers, 1)
+        cfg = self.config
+        if not isinstance(cfg, RunConfig):
+            raise invalid("config", cfg, "a sparkdl.RunConfig")
+        if cfg.min_workers is not None and cfg.min_workers > self.num_workers:
+            raise ConfigError(
+                f"RunConfig.min_workers={cfg.min_workers} is more than num_workers={self.num_workers}: "
+                "min_workers is the fewest ranks a gang may shrink to; set it to at most num_workers, "
+                "or to None for a gang that never shrinks"
+            )
+        one_of("backend", self.backend, BACKENDS)
+
+    @classmethod
+    def from_call(cls, arguments: dict[str, Any]) -> LaunchOptions:
+        """The options of a ``run``/``launch`` call, from its ``locals()`` taken first thing."""
+        cfg = arguments["config"] or RunConfig()
+        if arguments["max_attempts"] is not None:
+            cfg = cfg.replace(max_attempts=arguments["max_attempts"])
+        return cls(arguments["num_workers"], arguments["backend"], arguments["use_gpu"], cfg, arguments["spark"],
+                   arguments["checkpoint_dir"])
+
+
+def _launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: LaunchOptions) -> RunResult:
     if not callable(fn):
-        raise ConfigError(f"fn must be callable; got {type(fn).__name__}")
-    int_at_least("num_workers", num_workers, 1)
-    if cfg.min_workers is not None and cfg.min_workers > num_workers:
-        raise ConfigError(
-            f"RunConfig.min_workers={cfg.min_workers} is more than num_workers={num_workers}: "
-            "min_workers is the fewest ranks a gang may shrink to; set it to at most num_workers, "
-            "or to None for a gang that never shrinks"
-        )
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend={backend!r} is unknown; choose one of {', '.join(map(repr, BACKENDS))}")
+        raise invalid("fn", fn, "callable")
+    cfg, num_workers, backend, checkpoint_dir = options.config, options.num_workers, options.backend, options.checkpoint_dir
     tasks = _tasks(num_workers, backend, cfg.processes_per_task)
     fn_bytes = pickle_payload(fn, args, kwargs)
     check_driver(backend, cfg)
 
-    session = resolve_session(spark, tasks)
+    session = resolve_session(options.spark, tasks)
     api = spark_api.of(session)
     conf = api.confs()
-    gpu = cluster.resolve_gpu(conf, use_gpu)
+    gpu = cluster.resolve_gpu(conf, options.use_gpu)
     cluster.check_cluster(api, num_workers, cfg, tasks=tasks)
     cluster.check_executor_python(api)
     attempts_allowed = cfg.max_attempts if cfg.max_attempts is not None else cluster.stage_attempts(conf)

@@ -72,7 +72,7 @@ def test_run_rejects_bad_input_before_any_spark_work() -> None:
         sparkdl.run(print, num_workers=0)
     with pytest.raises(sparkdl.ConfigError, match="num_workers"):
         sparkdl.run(print, num_workers=True)  # type: ignore[arg-type]
-    with pytest.raises(sparkdl.ConfigError, match="backend='mpi' is unknown"):
+    with pytest.raises(sparkdl.ConfigError, match=r"backend must be one of 'torch', 'horovod', 'tensorflow', 'none'; got 'mpi'"):
         sparkdl.run(print, num_workers=1, backend="mpi")
     lock = threading.Lock()
     with pytest.raises(sparkdl.ConfigError, match="cannot be pickled"):
@@ -176,3 +176,20 @@ def test_the_task_payload_never_shows_the_run_secret() -> None:
     payload = TaskPayload(run, b"fn", secret, "127.0.0.1", 5000)
     assert secret not in repr(payload) and secret not in str(payload)
     assert pickle.loads(pickle.dumps(payload)).secret_hex == secret
+
+
+def test_run_and_launch_take_the_same_keywords_as_one_checked_object() -> None:
+    import dataclasses
+    import inspect
+
+    from sparkdl._internal.driver.run import LaunchOptions
+
+    for fn in (sparkdl.run, sparkdl.launch):
+        params = inspect.signature(fn).parameters
+        keywords = {name for name, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        # max_attempts travels inside the options' RunConfig.
+        assert keywords == {f.name for f in dataclasses.fields(LaunchOptions)} - {"config"} | {"config", "max_attempts"}
+    with pytest.raises(sparkdl.ConfigError, match=r"^config must be a sparkdl.RunConfig; got \{'timeout_s': 5\}$"):
+        sparkdl.run(print, num_workers=1, config={"timeout_s": 5})  # type: ignore[arg-type]
+    assert LaunchOptions.from_call({"num_workers": 2, "backend": "none", "use_gpu": None, "config": None,
+                                    "spark": None, "checkpoint_dir": None, "max_attempts": 5}).config.max_attempts == 5
