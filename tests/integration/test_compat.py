@@ -1,6 +1,6 @@
 """Code written for Databricks' HorovodRunner and Spark's TorchDistributor runs unchanged on sparkdl.
 
-The signatures and the checks that need no session are in tests/unit/test_compat_signatures.py.
+The signatures and the checks that need no session are in tests/unit/compat/test_compat_signatures.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each case trains the same small model from a real Parquet dataset with ``sparkdl
 injects a fault on attempt 0, and asserts the outcome, that the final weights are bitwise equal
 to those of an uninterrupted run (CPU, deterministic), that nothing is left running or
 listening, and that the source data and the committed checkpoints are intact. The same guarantee
-at the file level (a writer process killed mid-write) is in tests/unit/train/test_checkpoint_writes.py.
+at the file level (a writer process killed mid-write) is in tests/unit/ckpt/test_checkpoint_writes.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ user can create in it too. Runs and the dataset cache go through the public entr
 shared local[2] session; a directory that is not private is refused before anything is read from
 or written into it, with a ConfigError that names it and the setting that moves it. What needs
 no Spark session (the metrics of a remote run, a run directory the user set, ranks on the
-driver) is in tests/unit/test_private_dirs.py.
+driver) is in tests/unit/fs/test_private_dirs.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ FAST = sparkdl.RunConfig(
     prewarm=False, init_process_group=False,
 )
 
-# The fixture, shared with tests/unit/test_private_dirs.py.
+# The fixture, shared with tests/unit/fs/test_private_dirs.py.
 temp_dir = private_dirs.temp_dir
 
 

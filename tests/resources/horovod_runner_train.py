@@ -1,5 +1,5 @@
 """The training function of the HorovodRunner tests (tests/integration/test_compat.py, and the
-signature checks of tests/unit/test_compat_signatures.py), written as HorovodRunner's
+signature checks of tests/unit/compat/test_compat_signatures.py), written as HorovodRunner's
 documentation shows it. Registered to be pickled by value, so the ranks need not import it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """For the tests of sparkdl's private default directories (tests/integration/test_private.py,
-tests/unit/test_private_dirs.py): the ``temp_dir`` fixture, which points the temp dir at a fresh
+tests/unit/fs/test_private_dirs.py): the ``temp_dir`` fixture, which points the temp dir at a fresh
 directory made like /tmp, the check that a directory is this user's alone, the conf of the run
 directory, and a rank function, registered to be pickled by value so that the ranks need not
 import it."""

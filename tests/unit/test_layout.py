@@ -193,3 +193,17 @@ def test_argument_errors_have_one_shape() -> None:
     found = [f"{path.relative_to(ROOT)}:{n}" for path in ROOT.rglob("*.py")
              for n, line in enumerate(path.read_text().splitlines(), 1) if other.search(line)]
     assert not found, f"argument errors of another shape (use common.validate.invalid): {found}"
+
+
+# Tests of the package as a whole, at the top of tests/unit; every other unit test sits in the
+# folder of what it tests: sparkdl/_internal/<folder>, or the repository's jobs/ and tools/.
+WHOLE_PACKAGE_TESTS = {"test_layout.py", "test_public_api.py", "test_docs_tree.py", "test_suite_rules.py"}
+
+
+def test_the_unit_tests_mirror_the_package() -> None:
+    unit = REPO / "tests" / "unit"
+    folders = {p.name for p in (ROOT / "_internal").iterdir() if (p / "__init__.py").is_file()} | {"jobs", "tools"}
+    stray = sorted(p.name for p in unit.iterdir() if p.is_dir() and p.name != "__pycache__" and p.name not in folders)
+    assert not stray, f"tests/unit folders with no sparkdl/_internal folder of that name: {stray}"
+    loose = sorted(p.name for p in unit.glob("*.py") if p.name not in WHOLE_PACKAGE_TESTS)
+    assert not loose, f"unit tests outside the folder of what they test: {loose}"
