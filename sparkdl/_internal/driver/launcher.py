@@ -16,10 +16,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.driver.monitor import Monitor
+from sparkdl._internal.driver.output import RankOutput, Undelivered, dedupes
+from sparkdl._internal.driver.progress import MetricsLog, Progress
 from sparkdl._internal.wire.rankspec import RunSpec
 
 
@@ -30,6 +34,31 @@ class Job:
     run: RunSpec
     fn_bytes: bytes
     max_attempts: int
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What watches a run on the driver, for either launcher: the monitor of every rank, the
+    progress line and the ranks' output (console and files, in ``log_dir``)."""
+
+    monitor: Monitor
+    progress: Progress
+    output: RankOutput
+
+    @classmethod
+    def open(cls, cfg: RunConfig, world_size: int, attempts: int, store: Any, metrics: MetricsLog,
+             log_dir: Path) -> Watch:
+        progress = Progress(cfg.progress_interval_s, cfg.progress, cfg.straggler_factor)
+        output = RankOutput(log_dir, echo=cfg.echo_logs, dedupe=dedupes(cfg.console, world_size), world_size=world_size)
+        return cls(Monitor(world_size, attempts, cfg, store, metrics, progress, output=output), progress, output)
+
+    def close(self, cfg: RunConfig) -> Undelivered:
+        """Shows the last progress line and writes out the ranks' output, each within
+        ``log_flush_timeout_s``, warning about what did not go out; what did not."""
+        self.progress.finish(cfg.log_flush_timeout_s)
+        undelivered = self.output.close(cfg.log_flush_timeout_s)
+        self.output.say(undelivered, cfg.log_flush_timeout_s)
+        return undelivered
 
 
 class Launcher(abc.ABC):

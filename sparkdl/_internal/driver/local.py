@@ -29,10 +29,9 @@ from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import int_at_least
 from sparkdl._internal.driver import policy
 from sparkdl._internal.driver.failure import failure_on_driver
-from sparkdl._internal.driver.launcher import Job, Launcher, pickle_payload
+from sparkdl._internal.driver.launcher import Job, Launcher, Watch, pickle_payload
 from sparkdl._internal.driver.monitor import Monitor
-from sparkdl._internal.driver.output import RankOutput, dedupes
-from sparkdl._internal.driver.progress import MetricsLog, Progress
+from sparkdl._internal.driver.progress import MetricsLog
 from sparkdl._internal.fs.private import user_dir
 from sparkdl._internal.task.rankproc import RankProcess
 from sparkdl._internal.wire.messages import (
@@ -220,17 +219,12 @@ def run_on_driver(
         # No Spark conf is read here: the temp dir (TMPDIR) is what moves the default.
         checkpoint_url=str(user_dir("runs", setting="TMPDIR") / run_id / "checkpoints"), config=cfg,
     )
-    progress = Progress(cfg.progress_interval_s, cfg.progress, cfg.straggler_factor)
     logs = user_dir("runs", setting="TMPDIR") / run_id / "logs"
-    output = RankOutput(logs, echo=cfg.echo_logs, dedupe=dedupes(cfg.console, num_processes), world_size=num_processes)
-    monitor = Monitor(num_processes, 1, cfg, None, MetricsLog(None), progress, output=output)
+    watch = Watch.open(cfg, num_processes, 1, None, MetricsLog(None), logs)
     try:
-        return LocalLauncher(gpu_ids).run(Job(run, fn_bytes, max_attempts=1), monitor)
+        return LocalLauncher(gpu_ids).run(Job(run, fn_bytes, max_attempts=1), watch.monitor)
     finally:
-        progress.finish(cfg.log_flush_timeout_s)
-        undelivered = output.close(cfg.log_flush_timeout_s)
-        output.say(undelivered, cfg.log_flush_timeout_s)
-        if not undelivered.console:
+        if not watch.close(cfg).console:
             # Nobody is handed this run's directory (the caller gets rank 0's value): the files
             # stay only when they hold lines the console did not show, as the warning says.
             shutil.rmtree(logs, ignore_errors=True)

@@ -22,10 +22,8 @@ from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import int_at_least, invalid, nearest_multiples, one_of
 from sparkdl._internal.driver import cluster
-from sparkdl._internal.driver.launcher import Job, pickle_payload
-from sparkdl._internal.driver.monitor import Monitor
-from sparkdl._internal.driver.output import RankOutput, dedupes
-from sparkdl._internal.driver.progress import MetricsLog, Progress
+from sparkdl._internal.driver.launcher import Job, Watch, pickle_payload
+from sparkdl._internal.driver.progress import MetricsLog
 from sparkdl._internal.driver.report import skipped_checkpoints
 from sparkdl._internal.driver.result import RunResult, log_to_mlflow
 from sparkdl._internal.driver.spark import SparkLauncher
@@ -206,11 +204,10 @@ def _launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     store = CheckpointStore(checkpoint_dir or f"{run_dir}/checkpoints", keep=cfg.keep_checkpoints)
     metrics_path = cluster.local_metrics_path(run_dir, run_id)
     metrics = MetricsLog(metrics_path)
-    progress = Progress(cfg.progress_interval_s, cfg.progress, cfg.straggler_factor)
-    # Beside the metrics: on the driver's own disk, where the user looks (the run dir may be remote).
-    output = RankOutput(metrics_path.parent / "logs", echo=cfg.echo_logs, dedupe=dedupes(cfg.console, num_workers),
-                        world_size=num_workers)
-    monitor = Monitor(num_workers, attempts_allowed, cfg, store, metrics, progress, output=output)
+    # The ranks' output beside the metrics: on the driver's own disk, where the user looks (the run
+    # dir may be remote).
+    watch = Watch.open(cfg, num_workers, attempts_allowed, store, metrics, metrics_path.parent / "logs")
+    monitor, output = watch.monitor, watch.output
     mlflow_on = cluster.mlflow_enabled(conf, cfg)
     spec = RunSpec(run_id=run_id, world_size=num_workers, backend=backend, use_gpu=gpu,
                    checkpoint_url=store.url, config=cfg)
@@ -238,8 +235,7 @@ def _launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
         if marker is not None:
             marker.remove()
         metrics.close()
-        progress.finish(cfg.log_flush_timeout_s)
-        output.say(output.close(cfg.log_flush_timeout_s), cfg.log_flush_timeout_s)
+        watch.close(cfg)
         if monitor.cut_chars:
             log.warning("sparkdl: %d characters of the ranks' output were not kept: lines longer than %d MiB "
                         "are cut there", monitor.cut_chars, MAX_LINE_BYTES >> 20)
