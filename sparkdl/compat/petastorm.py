@@ -262,7 +262,7 @@ def make_spark_converter(
 
     The files are deleted at the driver's exit, as Petastorm's are, or by ``converter.delete()``.
     """
-    from sparkdl._internal.data.writing.write import write_to
+    from sparkdl._internal.data.writing.write import WriteOptions, write_to
 
     spark = df.sparkSession
     parent = spark.conf.get(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, None)
@@ -280,8 +280,8 @@ def make_spark_converter(
     if dtype not in (None, "float32", "float64"):
         raise invalid("dtype", dtype, "'float32', 'float64' or None (floating-point columns as they are)")
     ds = write_to(_with_precision(df, dtype), None, (str(parent), SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF),
-                  row_group_bytes=parquet_row_group_size_bytes, vector_dtype=dtype or "float64", compression=codec,
-                  as_partitions=True)
+                  options=WriteOptions(row_group_bytes=parquet_row_group_size_bytes, vector_dtype=dtype or "float64",
+                                       compression=codec), as_partitions=True)
     root = ds.url.rstrip("/")
     converter = SparkDatasetConverter(ds.url, [f"{root}/{f.path}" for f in ds.manifest.files], ds.num_rows)
     converter._dataset = ds

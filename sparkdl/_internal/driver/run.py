@@ -8,6 +8,7 @@ the job when attempts are used up, and turns what it saw into one failure report
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import secrets
@@ -41,34 +42,13 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def run(
-    fn: Callable[..., T],
-    *args: Any,
-    num_workers: int,
-    backend: str = "torch",
-    use_gpu: bool | None = None,
-    max_attempts: int | None = None,
-    config: RunConfig | None = None,
-    spark: SparkSession | None = None,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    **kwargs: Any,
-) -> T:
+def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Runs ``fn(*args, **kwargs)`` on ``num_workers`` gang-scheduled Spark tasks; returns rank 0's value.
 
-    The same as ``launch(...).value``; see :func:`launch` for everything else.
-
-    Example::
-
-        def train(lr):
-            ctx = sparkdl.context()
-            model = DDP(Net().to(ctx.device))
-            ...
-            return model.module.state_dict()
-
-        state = sparkdl.run(train, 0.1, num_workers=2)
+    The same as ``launch(...).value``; see :func:`launch` for the arguments and everything else.
+    With ``train`` as in :func:`launch`'s example, ``state = sparkdl.run(train, 0.1, num_workers=2)``.
     """
-    options = LaunchOptions.from_call(locals())  # first: the keywords above
-    value: T = _launch(fn, args, kwargs, options).value
+    value: T = launch(fn, *args, **kwargs).value
     return value
 
 
@@ -181,6 +161,10 @@ class LaunchOptions:
             cfg = cfg.replace(max_attempts=arguments["max_attempts"])
         return cls(arguments["num_workers"], arguments["backend"], arguments["use_gpu"], cfg, arguments["spark"],
                    arguments["checkpoint_dir"])
+
+
+# run's keywords are launch's: one list, which help() and the API reference show for both.
+run.__signature__ = inspect.signature(launch).replace(return_annotation="T")  # type: ignore[attr-defined]
 
 
 def _launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: LaunchOptions) -> RunResult:

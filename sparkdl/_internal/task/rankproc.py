@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -112,19 +113,21 @@ BATCH_BYTES = 256 * 1024
 _READ_BYTES = 64 * 1024
 
 
+@dataclass(eq=False)
 class _Relay:
     """Copies one output stream of the rank process to the sink, in whole lines, never cutting one,
-    batching the lines that come within :data:`BATCH_S` of each other."""
+    batching the lines that come within :data:`BATCH_S` of each other; its thread starts when made."""
 
-    def __init__(self, stream: IO[bytes], kind: str, sink: Sink, ready: threading.Event,
-                 tail: deque[str], fallback: IO[str] | None) -> None:
-        self._stream = stream
-        self._kind = kind
-        self._sink = sink
-        self._ready = ready
-        self._tail = tail
-        self._fallback = fallback
-        self.thread = threading.Thread(target=self._run, name=f"sparkdl-relay-{kind}", daemon=True)
+    _stream: IO[bytes]
+    _kind: str
+    _sink: Sink
+    _ready: threading.Event
+    _tail: deque[str]
+    _fallback: IO[str] | None
+    thread: threading.Thread = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, name=f"sparkdl-relay-{self._kind}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:

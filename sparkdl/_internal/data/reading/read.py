@@ -151,8 +151,14 @@ def arrow_batches(
                 spare.give(data)
             del data, perm
 
+    yield from played(started(), make, windows, reader)
+
+
+def played(started: Iterator[Callable[[], Batch]], make: BatchMaker, windows: Any, reader: RowGroupReader) -> Iterator[Batch]:
+    """The batches ``started`` begins, ``make.ahead`` under way at a time; the windows read
+    ahead and the row-group reader end with it, however the iteration ends."""
     try:
-        yield from in_turn(started(), make.ahead)
+        yield from in_turn(started, make.ahead)
     finally:
         windows.close()
         reader.close()

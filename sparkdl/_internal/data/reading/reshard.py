@@ -35,8 +35,8 @@ from sparkdl._internal.data.reading.read import (
     Window,
     WindowBuilder,
     arrow_batches,
-    in_turn,
     location,
+    played,
     read_in_turn,
     read_window,
 )
@@ -156,11 +156,7 @@ class Resume:
                     yield make.start(data, rows[s : s + b], epoch)
                 del data, rows
 
-        try:
-            yield from in_turn(started(), make.ahead)
-        finally:
-            windows.close()
-            reader.close()
+        yield from played(started(), make, windows, reader)
 
 
 @dataclass(frozen=True)

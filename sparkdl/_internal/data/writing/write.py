@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import int_at_least, one_of
 from sparkdl._internal.data.dataset import Dataset, written
 from sparkdl._internal.data.format.scan import path_info
+from sparkdl._internal.data.writing import etl
 from sparkdl._internal.data.writing.cache import write_cached
-from sparkdl._internal.data.writing.etl import (
-    check_not_empty,
-    exists,
-    finish_manifest,
-    qualify,
-    spark_write,
-)
 from sparkdl._internal.fs.storage import filesystem, redact, unreachable
 from sparkdl._internal.spark import spark_api
 
@@ -97,23 +93,34 @@ def write_dataset(
             cache directory that is not private (a symlink, another user's, or writable by others).
         DatasetError: ``path`` (or the cache directory) cannot be reached, or Spark failed to write.
     """
-    return write_to(df, path, overwrite=overwrite, num_files=num_files, row_group_bytes=row_group_bytes,
-                    row_group_rows=row_group_rows, vector_dtype=vector_dtype, compression=compression)
+    return write_to(df, path, options=WriteOptions.from_call(locals()))
 
 
-def write_to(
-    df: DataFrame,
-    path: str | os.PathLike[str] | None,
-    cache: tuple[str, str] | None = None,
-    *,
-    overwrite: bool = False,
-    num_files: int | None = None,
-    row_group_bytes: int = _DEFAULT_ROW_GROUP_BYTES,
-    row_group_rows: int | None = None,
-    vector_dtype: str = "float32",
-    compression: str = "snappy",
-    as_partitions: bool = False,
-) -> Dataset:
+@dataclass(frozen=True)
+class WriteOptions:
+    """``write_dataset``'s keywords (documented there) as one object, checked when made."""
+
+    overwrite: bool = False
+    num_files: int | None = None
+    row_group_bytes: int = _DEFAULT_ROW_GROUP_BYTES
+    row_group_rows: int | None = None
+    vector_dtype: str = "float32"
+    compression: str = "snappy"
+
+    def __post_init__(self) -> None:
+        one_of("vector_dtype", self.vector_dtype, {"float32": "half the bytes", "float64": "Spark ML's own"})
+        int_at_least("row_group_bytes", self.row_group_bytes, 1024, note=" bytes")
+        int_at_least("row_group_rows", self.row_group_rows, 1, allow_none=True, note=" (None: no row limit)")
+        int_at_least("num_files", self.num_files, 1, allow_none=True, note=" (None: the session's default parallelism)")
+
+    @classmethod
+    def from_call(cls, arguments: dict[str, Any]) -> WriteOptions:
+        """The options of a ``write_dataset`` call, from its ``locals()`` taken first thing."""
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls)})
+
+
+def write_to(df: DataFrame, path: str | os.PathLike[str] | None, cache: tuple[str, str] | None = None, *,
+             options: WriteOptions = WriteOptions(), as_partitions: bool = False) -> Dataset:
     """:func:`write_dataset`; with ``path=None`` and ``cache=(url, conf)``, the cache is the
     directory ``url`` (which Spark and the driver reach), set by the Spark conf ``conf``, instead of
     ``spark.sparkdl.cacheDir``'s. ``as_partitions``: a file per partition of ``df`` (``num_files``
@@ -121,9 +128,7 @@ def write_to(
     # Duck-typed, so that Spark Connect DataFrames (another class on pyspark 3.5) pass too.
     if not all(hasattr(df, a) for a in ("sparkSession", "schema", "write", "semanticHash")):
         raise ConfigError(f"df must be a pyspark.sql.DataFrame; got {type(df).__name__}")
-    one_of("vector_dtype", vector_dtype, {"float32": "half the bytes", "float64": "Spark ML's own"})
-    int_at_least("row_group_bytes", row_group_bytes, 1024, note=" bytes")
-    int_at_least("row_group_rows", row_group_rows, 1, allow_none=True, note=" (None: no row limit)")
+    row_group_rows, vector_dtype = options.row_group_rows, options.vector_dtype
     if row_group_rows is not None:
         import pyspark
 
@@ -135,30 +140,25 @@ def write_to(
                 "with row_group_bytes instead"
             )
     spark = df.sparkSession
-    if as_partitions:
-        num_files = None
-    else:
-        if num_files is None:
-            num_files = spark_api.of(spark).default_parallelism()
-        int_at_least("num_files", num_files, 1)
+    num_files = None if as_partitions else options.num_files or spark_api.of(spark).default_parallelism()
     selected, array_columns = _select_for_feeding(df, vector_dtype)
 
-    options = {
+    written_with = {
         "num_files": num_files,
-        "row_group_bytes": row_group_bytes,
+        "row_group_bytes": options.row_group_bytes,
         "row_group_rows": row_group_rows,
         "vector_dtype": vector_dtype,
-        "compression": compression,
+        "compression": options.compression,
     }
     if path is None:
-        return write_cached(df, selected, array_columns, options, *(cache or ()))
+        return write_cached(df, selected, array_columns, written_with, *(cache or ()))
 
-    url = qualify(spark, path)
+    url = etl.qualify(spark, path)
     fs, root = filesystem(url, None)
-    _check_target(fs, root, url, overwrite)
-    check_not_empty(df)
-    spark_write(selected, url, "overwrite" if exists(fs, root, url) else "error", options)
-    manifest = finish_manifest(spark, fs, root, url, array_columns, key=None)
+    _check_target(fs, root, url, options.overwrite)
+    etl.check_not_empty(df)
+    etl.spark_write(selected, url, "overwrite" if etl.exists(fs, root, url) else "error", written_with)
+    manifest = etl.finish_manifest(spark, fs, root, url, array_columns, key=None)
     return written(url, manifest)
 
 

@@ -10,8 +10,9 @@ import inspect
 import numpy as np
 import pytest
 
-from sparkdl import ConfigError, Dataset
+from sparkdl import ConfigError, Dataset, write_dataset
 from sparkdl._internal.data.loader_options import LoaderOptions
+from sparkdl._internal.data.writing.write import WriteOptions
 
 
 def test_dataset_loader_takes_exactly_the_options_with_their_defaults() -> None:
@@ -41,3 +42,13 @@ def test_an_unknown_keyword_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"unknown loader keyword 'shufle'.*\(epoch, shuffle, seed, "):
         LoaderOptions.of(8, {"shufle": False})
     assert LoaderOptions.of(8, {"seed": 3}) == LoaderOptions(8, seed=3)
+
+
+def test_write_dataset_takes_exactly_the_write_options_with_their_defaults() -> None:
+    params = inspect.signature(write_dataset).parameters
+    keywords = {name: p.default for name, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert keywords == {f.name: f.default for f in dataclasses.fields(WriteOptions)}
+    with pytest.raises(ConfigError, match=r"^num_files must be an integer >= 1 or None .*; got 0$"):
+        WriteOptions(num_files=0)
+    with pytest.raises(ConfigError, match=r"^vector_dtype must be one of 'float32' .*; got 'int8'$"):
+        WriteOptions(vector_dtype="int8")
