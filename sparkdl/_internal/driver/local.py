@@ -1,29 +1,25 @@
 """Ranks as processes on the driver alone, without Spark tasks: for development and notebooks.
 
 This backs ``HorovodRunner(np=-N)`` and ``TorchDistributor(local_mode=True)``. Each rank is the
-same rank process as on a cluster, started the same way (:class:`~sparkdl._internal.task.rankproc.RankProcess`),
-with the same environment, lifeline, output relay, metrics and clean-up, and watched by the same
-monitor and failure policy, so code that runs here runs on the cluster too. There is no gang
+same lane as in a Spark task (:class:`~sparkdl._internal.task.lane.Lane`): the same rank process,
+environment, lifeline, output relay, metrics, channel to the driver and clean-up, watched by the
+same monitor and failure policy, so code that runs here runs on the cluster too. There is no gang
 rerun on the driver: a failure ends the run with the same report as ``sparkdl.run``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import secrets
 import shutil
-import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from sparkdl._internal.backends import check_driver, get_backend
-from sparkdl._internal.backends.base import LocalJob, TaskPart
+from sparkdl._internal.backends.base import LocalJob
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import ConfigError
 from sparkdl._internal.common.validate import int_at_least
@@ -33,17 +29,12 @@ from sparkdl._internal.driver.launcher import Job, Launcher, Watch, pickle_paylo
 from sparkdl._internal.driver.monitor import Monitor
 from sparkdl._internal.driver.progress import MetricsLog
 from sparkdl._internal.fs.private import user_dir
-from sparkdl._internal.task.rankproc import RankProcess
-from sparkdl._internal.wire.messages import (
-    Gang,
-    Hello,
-    LogLine,
-    Metric,
-    RankState,
-    Stacks,
-    Started,
-)
-from sparkdl._internal.wire.rankspec import GangSpec, RankSpec, RunSpec
+from sparkdl._internal.task.lane import Joined, Lane, RankFailed
+from sparkdl._internal.task.payload import TaskPayload
+from sparkdl._internal.wire.gang_member import Member
+from sparkdl._internal.wire.messages import LogLine, RankState
+from sparkdl._internal.wire.rankspec import RankSpec, RunSpec
+from sparkdl._internal.wire.server import ChannelServer
 from sparkdl._internal.wire.workdir_files import result_path
 
 _HOST = "127.0.0.1"
@@ -51,29 +42,12 @@ _HOST = "127.0.0.1"
 _SETTLE_S = 0.5
 
 
-class _MonitorSink:
-    """A rank's output straight into the driver's monitor (no channel on the driver)."""
-
-    def __init__(self, monitor: Monitor, rank: int) -> None:
-        self._monitor = monitor
-        self._rank = rank
-
-    def line(self, stream: str, text: str) -> bool:
-        self._monitor.log(0, self._rank, LogLine(stream, text))
-        return True
-
-    def lines(self, stream: str, texts: list[str]) -> bool:
-        for text in texts:
-            self._monitor.log(0, self._rank, LogLine(stream, text))
-        return True
-
-    def metric(self, record: dict[str, Any]) -> bool:
-        self._monitor.metric(0, self._rank, Metric(record))
-        return True
-
-
 class LocalLauncher(Launcher):
-    """``world_size`` rank processes on this machine; ``gpu_ids``: one per rank, or None for CPU."""
+    """``world_size`` rank processes on this machine; ``gpu_ids``: one per rank, or None for CPU.
+
+    Each rank is a :class:`~sparkdl._internal.task.lane.Lane`, as in a Spark task, run in a
+    thread of the driver and talking to the driver's monitor over the same authenticated channel
+    on loopback: the rank's start, gang, output, stacks, end and error travel as on a cluster."""
 
     def __init__(self, gpu_ids: list[str] | None) -> None:
         self.gpu_ids = gpu_ids
@@ -81,109 +55,73 @@ class LocalLauncher(Launcher):
     def launch(self, job: Job, monitor: Monitor) -> bytes:
         run = job.run
         cfg = run.config
-        root = Path(tempfile.mkdtemp(prefix=f"sparkdl-local-{run.run_id}-"))
-        listener = socket.create_server((_HOST, 0), backlog=1024)
-        hosts = [_HOST] * run.world_size
-        procs: list[RankProcess] = []
-        gangs: list[GangSpec] = []
-        backend = get_backend(run.backend)
-        parts: list[TaskPart] = []  # what the backend holds for each rank (a port, its part of an MPI job)
-        backend_job: LocalJob | None = None
         secret = secrets.token_bytes(32)
+        lanes: list[Lane] = []
+        backend_job: LocalJob | None = None
         finished = False
-        try:
-            for rank in range(run.world_size):
-                workdir = root / f"rank-{rank}"
-                workdir.mkdir()
-                gpus = [self.gpu_ids[rank]] if self.gpu_ids is not None else []
-                spec = RankSpec.of(run, rank=rank, host=_HOST, gpu_ids=gpus, task_pid=os.getpid())
-                # The gang is known before the rank starts: it joins at once, as attempt 0.
-                monitor.hello(("local", rank), Hello(_HOST, os.getpid(), rank))
-                monitor.join(("local", rank), rank, Gang(tuple(range(run.world_size))))
-                proc = RankProcess(
-                    spec, workdir, job.fn_bytes, _MonitorSink(monitor, rank),
-                    store=listener if rank == 0 else None, prewarm=cfg.prewarm, on_driver=True,
-                    start_timeout_s=cfg.connect_timeout_s, tail_lines=cfg.log_tail_lines,
-                )
-                procs.append(proc)
-                gangs.append(GangSpec.form(spec, attempt=0, hosts=hosts, master_port=listener.getsockname()[1]))
-            for rank in range(run.world_size):
-                parts.append(backend.task_part(cfg, rank, _HOST, root / f"rank-{rank}", secret))
-            # Formed before the ranks are told the gang, as a gang's tasks do (one job of them all).
-            job_envs, backend_job = backend.join_local(parts, _HOST, root, secret, cfg.connect_timeout_s,
-                                               lambda line: monitor.log(0, 0, LogLine("e", line)))
-            for proc, gang, job_env, part in zip(procs, gangs, job_envs, parts, strict=True):
-                proc.tell_gang(gang, job_env)
-                monitor.rank_event(0, proc.spec.rank, Started(proc.pid))
-                monitor.stack_source(0, proc.spec.rank, functools.partial(_ask_stacks, proc, monitor))
-                part.watch(functools.partial(_end, proc))
-            listener.close()
-            value = _wait(procs, monitor, cfg, root, parts)
-            finished = True
-            return value
-        finally:
-            for part in parts:
-                part.ended(0 if finished else -9)
-            if backend_job is not None:
-                backend_job.close(cfg.collective_timeout_s if finished else None)
-            for part in parts:
-                part.close(None)
-            for proc in procs:
-                proc.close()
-            listener.close()
-            shutil.rmtree(root, ignore_errors=True)
+        with ChannelServer(_HOST, secret, monitor.on_message, monitor.on_close,
+                           handshake_timeout_s=cfg.handshake_timeout_s) as server:
+            payload = TaskPayload(run, job.fn_bytes, secret.hex(), *server.address, rank_host=_HOST)
+            try:
+                for rank in range(run.world_size):
+                    gpus = [self.gpu_ids[rank]] if self.gpu_ids is not None else []
+                    spec = RankSpec.of(run, rank=rank, host=_HOST, gpu_ids=gpus, task_pid=os.getpid())
+                    lanes.append(Lane(payload, secret, spec, tid=rank, on_driver=True))
+                    lanes[-1].start()
+                members = [lane.member(None) for lane in lanes]
+                # One process owns every rank: the backend forms its job (Open MPI's) for all of
+                # them at once, before they are told the gang, as a gang's tasks do together.
+                envs, backend_job = get_backend(run.backend).join_local(
+                    [lane.part for lane in lanes if lane.part is not None], _HOST, lanes[0].workdir, secret,
+                    cfg.connect_timeout_s, lambda line: monitor.log(0, 0, LogLine("e", line)))
+                value = _wait(lanes, members, envs, monitor, cfg)
+                finished = True
+                return value
+            finally:
+                for lane in lanes:
+                    if not finished:
+                        lane.end("the run on the driver ended")
+                    lane.ended()
+                if backend_job is not None:
+                    backend_job.close(cfg.collective_timeout_s if finished else None)
+                for lane in lanes:
+                    lane.stop(cfg.collective_timeout_s if finished else 0.0)
+                for lane in lanes:
+                    lane.release()
 
 
-def _end(proc: RankProcess, why: str) -> None:
-    proc.kill()  # the backend's job (Open MPI's) ended under this rank: its part says why
+def _wait(lanes: list[Lane], members: list[Member], envs: list[dict[str, str] | None], monitor: Monitor,
+          cfg: RunConfig) -> bytes:
+    def run_lane(lane: Lane, env: dict[str, str] | None) -> None:
+        with contextlib.suppress(RankFailed):  # its failure reached the monitor as the rank's Exited
+            lane.run(members, relayed=False, joined=Joined(env))
 
-
-def _watch(proc: RankProcess, monitor: Monitor, part: TaskPart) -> None:
-    code = proc.wait()
-    if code != 0 and monitor.stopping is not None:
-        return  # stopped by the driver after another rank failed: it stays "stopped while running"
-    # Reported at exit, not when the loop notices: the root cause is the first rank to exit.
-    monitor.rank_event(0, proc.spec.rank, proc.exited(code, part.lost))
-    if code != 0:
-        part.ended(code)  # once its failure is recorded: the backend's job (Open MPI's) then ends
-
-
-def _ask_stacks(proc: RankProcess, monitor: Monitor) -> bool:
-    """The driver-local side of a stacks request: the rank is signalled from a thread of its own."""
-
-    def dump() -> None:
-        monitor.stacks(0, proc.spec.rank, Stacks(proc.pid, proc.dump_stacks()))
-
-    threading.Thread(target=dump, name="sparkdl-stacks", daemon=True).start()
-    return True
-
-
-def _wait(procs: list[RankProcess], monitor: Monitor, cfg: RunConfig, root: Path, parts: list[TaskPart]) -> bytes:
-    watchers = [threading.Thread(target=_watch, args=(p, monitor, part), daemon=True)
-                for p, part in zip(procs, parts, strict=True)]
-    for t in watchers:
+    threads = [threading.Thread(target=run_lane, args=(lane, env), name=f"sparkdl-local-rank-{lane.rank}", daemon=True)
+               for lane, env in zip(lanes, envs, strict=True)]
+    for t in threads:
         t.start()
     started = time.monotonic()
     verdict: policy.Verdict | None = None
     with monitor.cond:
-        while not all(r.state is RankState.SUCCEEDED for r in monitor.records.values()):
+        while len(monitor.records) < len(lanes) or not all(
+                r.state is RankState.SUCCEEDED for r in monitor.records.values()):
             verdict = monitor.check(started)
             if verdict.decision is policy.Decision.STOP:
                 break
             monitor.cond.wait(timeout=0.25)
     if verdict is None or verdict.decision is not policy.Decision.STOP:
-        for t in watchers:
+        for t in threads:
             t.join(timeout=10)
-        return result_path(procs[0].workdir).read_bytes()
+        return result_path(lanes[0].workdir).read_bytes()
     # One rank down means the others would wait on it: stop them, then report.
     time.sleep(_SETTLE_S)
     monitor.stopping = verdict.reason
     monitor.collect_stacks()  # where the ranks still running are, for the report
-    for proc in procs:
-        proc.kill()
-    for t in watchers:
+    for lane in lanes:
+        lane.end(verdict.reason or "another rank failed")
+    for t in threads:
         t.join(timeout=10)
-    raise failure_on_driver(monitor, verdict, len(procs), cfg.timeout_s)
+    raise failure_on_driver(monitor, verdict, len(lanes), cfg.timeout_s)
 
 
 def run_on_driver(

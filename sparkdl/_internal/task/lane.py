@@ -1,5 +1,6 @@
-"""One rank of a Spark task, from its start to its end: a task runs one lane per rank it holds
-(``RunConfig.processes_per_task``, one by default).
+"""One rank, from its start to its end, for both launchers: a Spark task runs one lane per rank
+it holds (``RunConfig.processes_per_task``, one by default), and the driver-local launcher one per
+rank on the driver (:mod:`sparkdl._internal.driver.local`), over the same channel.
 
 A lane has what a rank needs of its own: its channel to the driver, its working directory, its
 process (:class:`~sparkdl._internal.task.rankproc.RankProcess`) with its output relays and lifeline, the
@@ -41,6 +42,14 @@ from sparkdl._internal.wire.messages import (
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec
 
 
+@dataclass(frozen=True)
+class Joined:
+    """A rank's place in the backend's job when its launcher formed the job for all its ranks at
+    once (``Backend.join_local``): the rank's variables, instead of its part's own join."""
+
+    env: dict[str, str] | None
+
+
 class RankFailed(RuntimeError):
     """Raised in a Spark task whose rank process failed; it fails the task, and Spark reruns the gang."""
 
@@ -56,7 +65,7 @@ class Orders:
 class Lane:
     """One rank of a task; see the module's description."""
 
-    def __init__(self, payload: TaskPayload, secret: bytes, spec: RankSpec, tid: int) -> None:
+    def __init__(self, payload: TaskPayload, secret: bytes, spec: RankSpec, tid: int, *, on_driver: bool = False) -> None:
         self.payload = payload
         self.secret = secret
         self.spec = spec
@@ -76,6 +85,7 @@ class Lane:
         self._hello: Hello | None = None
         self._unshared: str | None = None
         self._strict = False
+        self._on_driver = on_driver  # the rank is forked from the driver's zygote, not the executor's
 
     def start(self) -> None:
         """Reaches the driver and starts the rank process while the gang forms; checks in."""
@@ -89,8 +99,8 @@ class Lane:
         # from a zygote that did it already.
         self.proc = RankProcess(
             self.spec, self.workdir, payload.fn_bytes, self.link, store=self.listener, prewarm=run.config.prewarm,
-            start_timeout_s=run.config.connect_timeout_s, tail_lines=run.config.log_tail_lines,
-            fallback_out=sys.stdout, fallback_err=sys.stderr,
+            on_driver=self._on_driver, start_timeout_s=run.config.connect_timeout_s,
+            tail_lines=run.config.log_tail_lines, fallback_out=sys.stdout, fallback_err=sys.stderr,
         )
         self.part = get_backend(run.backend).task_part(run.config, self.rank, host, self.workdir, self.secret)
         self._unshared = payload.checkpoints.missing() if payload.checkpoints is not None else None
@@ -112,9 +122,10 @@ class Lane:
             raise RankFailed(f"sparkdl rank {self.rank} on {self.spec.host}: the checkpoint directory is not "
                              f"shared: {self._unshared}")
 
-    def run(self, members: list[Member], relayed: bool) -> None:
+    def run(self, members: list[Member], relayed: bool, joined: Joined | None = None) -> None:
         """Joins the gang of ``members`` (one a rank), runs the rank and waits for its end;
-        RankFailed when it failed (or was refused)."""
+        RankFailed when it failed (or was refused). ``joined``: the backend's job, when the
+        launcher formed it for all its ranks at once (on the driver: one process owns them)."""
         proc, run, cfg = self.proc, self.payload.run, self.payload.run.config
         assert proc is not None
         if relayed:
@@ -143,7 +154,7 @@ class Lane:
         joining = Joining(rank, host, [{"host": m.host, **m.backend} for m in members], self.workdir, self.secret,
                           cfg.connect_timeout_s, lambda line: link.line("e", line))
         try:
-            job_env = part.join(joining)
+            job_env = joined.env if joined is not None else part.join(joining)
         except JoinError as exc:  # the rank cannot run: it reports why (with what the job said) as its failure
             link.send(Exited(1, None, str(exc), None, time.time()))
             raise RankFailed(f"sparkdl rank {rank} on {host} did not join {part.job}: {exc}") from exc
@@ -180,11 +191,16 @@ class Lane:
         if self.proc is not None:
             self.proc.kill()
 
+    def ended(self) -> None:
+        """Tells the backend's part that the rank ended (after its Exited went out: the job may
+        end the other ranks from here on); :meth:`stop` does it too."""
+        if self.part is not None:
+            self.part.ended(self.code if self.code is not None else -9)
+
     def stop(self, collective_timeout_s: float) -> None:
         """Ends the rank process and the backend's part of it (an MPI job's)."""
         if self.part is not None:
-            # After the rank's Exited went out: the job may end the other ranks from here on.
-            self.part.ended(self.code if self.code is not None else -9)
+            self.ended()
             self.part.close(collective_timeout_s if self.code == 0 else None)
             self.part = None
         if self.proc is not None:
