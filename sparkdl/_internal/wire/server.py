@@ -232,13 +232,20 @@ class ChannelServer:
             if authenticated:
                 self._on_close(conn, reason)
 
+    def _stop_listening(self) -> None:
+        """Takes no more connections, at once: shutting the listener down wakes the accept
+        thread's ``accept()`` (on Linux), which would otherwise wait out its poll."""
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
     def drain(self, timeout_s: float) -> int:
         """Stops taking connections, then waits up to ``timeout_s`` for the authenticated ones to be
         read to their end (a task closes its connection once it sent everything): what they sent
         is handled before :meth:`close` cuts them. Returns how many were still open."""
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        self._stop_listening()
         with self._lock:
             threads = [self._threads[conn] for conn in self._conns if conn in self._threads]
         deadline = time.monotonic() + timeout_s
@@ -248,9 +255,7 @@ class ChannelServer:
 
     def close(self) -> None:
         """Stops listening, closes every connection and joins the threads (bounded)."""
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        self._stop_listening()
         if self._accept_thread.is_alive():
             self._accept_thread.join(timeout=5)
         with self._lock:
