@@ -10,6 +10,7 @@ rerun on the driver: a failure ends the run with the same report as ``sparkdl.ru
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -38,6 +39,7 @@ from sparkdl._internal.wire.server import ChannelServer
 from sparkdl._internal.wire.workdir_files import result_path
 
 _HOST = "127.0.0.1"
+log = logging.getLogger(__name__)
 # After the first failure, the other ranks get this long to record their own outcome.
 _SETTLE_S = 0.5
 
@@ -93,8 +95,12 @@ class LocalLauncher(Launcher):
 def _wait(lanes: list[Lane], members: list[Member], envs: list[dict[str, str] | None], monitor: Monitor,
           cfg: RunConfig) -> bytes:
     def run_lane(lane: Lane, env: dict[str, str] | None) -> None:
-        with contextlib.suppress(RankFailed):  # its failure reached the monitor as the rank's Exited
+        try:
             lane.run(members, relayed=False, joined=Joined(env))
+        except RankFailed:
+            pass  # its failure reached the monitor as the rank's Exited
+        except Exception as exc:  # the lane itself (its channel, its gang): the monitor's bounds end the run
+            log.warning("sparkdl: rank %d on the driver: %s: %s", lane.rank, type(exc).__name__, exc)
 
     threads = [threading.Thread(target=run_lane, args=(lane, env), name=f"sparkdl-local-rank-{lane.rank}", daemon=True)
                for lane, env in zip(lanes, envs, strict=True)]
