@@ -38,6 +38,8 @@ DEFAULT_GLOO_TIMEOUT_S = 30.0
 # How long stop() waits for the server's thread; it stops within one poll interval when healthy.
 _STOP_JOIN_S = 5.0
 _POLL_INTERVAL_S = 0.1
+# What Horovod's rendezvous server reads of each slot (horovod.runner.common.util.hosts.SlotInfo).
+_SLOT_FIELDS = ("hostname", "rank", "local_rank", "cross_rank", "size", "local_size", "cross_size")
 
 _INSTALL_HINT = (
     "Horovod 0.28.1 ships as source only and must be built against the installed torch, with "
@@ -249,18 +251,7 @@ def start_rendezvous_server(
 
     try:
         httpd: Any = _NarrowServer(sock.getsockname(), RendezvousHandler, False)
-        httpd.init([
-            SlotInfo(
-                hostname=s.hostname,
-                rank=s.rank,
-                local_rank=s.local_rank,
-                cross_rank=s.cross_rank,
-                size=s.size,
-                local_size=s.local_size,
-                cross_size=s.cross_size,
-            )
-            for s in slots
-        ])
+        httpd.init([SlotInfo(**{name: getattr(s, name) for name in _SLOT_FIELDS}) for s in slots])
     except BaseException:
         # A socket made here is ours to close; a caller's listener stays the caller's on failure.
         if listener is None:
