@@ -157,7 +157,7 @@ class LaunchOptions:
     def from_call(cls, arguments: dict[str, Any]) -> LaunchOptions:
         """The options of a ``run``/``launch`` call, from its ``locals()`` taken first thing."""
         cfg = arguments["config"] or RunConfig()
-        if arguments["max_attempts"] is not None:
+        if arguments["max_attempts"] is not None and isinstance(cfg, RunConfig):  # else refused by name below
             cfg = cfg.replace(max_attempts=arguments["max_attempts"])
         return cls(arguments["num_workers"], arguments["backend"], arguments["use_gpu"], cfg, arguments["spark"],
                    arguments["checkpoint_dir"])

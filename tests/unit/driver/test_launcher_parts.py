@@ -191,5 +191,7 @@ def test_run_and_launch_take_the_same_keywords_as_one_checked_object() -> None:
         assert keywords == {f.name for f in dataclasses.fields(LaunchOptions)} - {"config"} | {"config", "max_attempts"}
     with pytest.raises(sparkdl.ConfigError, match=r"^config must be a sparkdl.RunConfig; got \{'timeout_s': 5\}$"):
         sparkdl.run(print, num_workers=1, config={"timeout_s": 5})  # type: ignore[arg-type]
+    with pytest.raises(sparkdl.ConfigError, match=r"^config must be a sparkdl.RunConfig; got \{'timeout_s': 5\}$"):
+        sparkdl.run(print, num_workers=1, max_attempts=2, config={"timeout_s": 5})  # type: ignore[arg-type]
     assert LaunchOptions.from_call({"num_workers": 2, "backend": "none", "use_gpu": None, "config": None,
                                     "spark": None, "checkpoint_dir": None, "max_attempts": 5}).config.max_attempts == 5
