@@ -89,10 +89,11 @@ class LoaderOptions:
     @classmethod
     def of(cls, batch_size: int, keywords: Mapping[str, Any]) -> LoaderOptions:
         """The options of a call with these keywords; an unknown keyword is a ConfigError that lists the known ones."""
-        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)} | ({"batch_size"} & set(keywords)))
+        known = [f.name for f in dataclasses.fields(cls) if f.name not in ("batch_size", "shard_by")]
+        unknown = sorted(set(keywords) - set(known))
         if unknown:
             raise ConfigError(f"unknown loader keyword {unknown[0]!r}: the keywords are those of Dataset.loader "
-                              f"({', '.join(f.name for f in dataclasses.fields(cls)[1:] if f.name != 'shard_by')})")
+                              f"({', '.join(known)})")
         return cls(batch_size, **keywords)
 
     @classmethod

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sparkdl._internal.common.config import RunConfig
@@ -347,18 +347,20 @@ class GrowState:
     back_at: tuple[int | None] | None = None
 
 
-def grow_back(state: GrowState, *, free: int | None, tasks: int, latest: int | None,
+def grow_back(state: GrowState, *, free: int | None, tasks: int, latest: Callable[[], int | None],
               num_workers: int) -> tuple[GrowState, int | None]:
     """While a gang runs on fewer than ``num_workers`` ranks: once the cluster has ``free`` slots
     for all ``tasks`` again (the gang's own count as free), the gang grows back to ``num_workers``
-    as soon as it commits a checkpoint newer than the ``latest`` it had when they came back, so
-    that the grown gang resumes where this one stopped. Returns the new state and the ranks to
-    grow to, or None. ``state.back_at`` going from None to set is when to say the slots are back."""
+    as soon as it commits a checkpoint newer than the one it had when they came back (``latest()``,
+    asked only while the slots are back: it reads the store), so that the grown gang resumes where
+    this one stopped. Returns the new state and the ranks to grow to, or None. ``state.back_at``
+    going from None to set is when to say the slots are back."""
     if free is None or free < tasks:
         return GrowState(), None
+    newest = latest()
     if state.back_at is None:
-        return GrowState((latest,)), None
-    return state, num_workers if latest is not None and latest != state.back_at[0] else None
+        return GrowState((newest,)), None
+    return state, num_workers if newest is not None and newest != state.back_at[0] else None
 
 
 def with_growth(verdict: Verdict, grow_to: int | None) -> Verdict:

@@ -318,7 +318,7 @@ class _GrowWatch:
         free = self._api.free_slots(group)  # ours included: the slots this gang holds count as free
         was = self._state
         self._state, grow_to = policy.grow_back(was, free=free, tasks=self._tasks, num_workers=self._num_workers,
-                                                latest=self._monitor.latest_checkpoint() if (free or 0) >= self._tasks else None)
+                                                latest=self._monitor.latest_checkpoint)
         if was.back_at is None and self._state.back_at is not None:
             log.warning("sparkdl: the cluster has %d free task slots again: the gang grows back to "
                         "num_workers=%d ranks after its next checkpoint", free, self._num_workers)

@@ -73,21 +73,25 @@ def test_a_relayed_attempt_stops_on_the_hubs_bound_or_the_replayed_verdict() -> 
 
 
 def test_a_shrunk_gang_grows_back_after_a_checkpoint_newer_than_when_the_slots_came_back() -> None:
-    state, grow = grow_back(GrowState(), free=2, tasks=4, latest=3, num_workers=4)
+    def unread() -> int:
+        raise AssertionError("the store is read only while the slots are back")
+
+    state, grow = grow_back(GrowState(), free=2, tasks=4, latest=unread, num_workers=4)
     assert (state, grow) == (GrowState(), None)  # too few slots
-    state, grow = grow_back(state, free=4, tasks=4, latest=3, num_workers=4)
+    assert grow_back(GrowState(), free=None, tasks=4, latest=unread, num_workers=4) == (GrowState(), None)
+    state, grow = grow_back(state, free=4, tasks=4, latest=lambda: 3, num_workers=4)
     assert state.back_at == (3,) and grow is None  # back: wait for a newer checkpoint
-    state, grow = grow_back(state, free=5, tasks=4, latest=3, num_workers=4)
+    state, grow = grow_back(state, free=5, tasks=4, latest=lambda: 3, num_workers=4)
     assert grow is None  # the same checkpoint: the grown gang would redo the steps since
-    state, grow = grow_back(state, free=4, tasks=4, latest=4, num_workers=4)
+    state, grow = grow_back(state, free=4, tasks=4, latest=lambda: 4, num_workers=4)
     assert grow == 4
     # The slots went again before that checkpoint: the watch starts over.
-    state, _ = grow_back(GrowState((3,)), free=3, tasks=4, latest=4, num_workers=4)
+    state, _ = grow_back(GrowState((3,)), free=3, tasks=4, latest=lambda: 4, num_workers=4)
     assert state == GrowState()
     # No checkpoint yet when they came back: the first one counts.
-    state, _ = grow_back(GrowState(), free=4, tasks=4, latest=None, num_workers=4)
-    assert grow_back(state, free=4, tasks=4, latest=None, num_workers=4)[1] is None
-    assert grow_back(state, free=4, tasks=4, latest=0, num_workers=4)[1] == 4
+    state, _ = grow_back(GrowState(), free=4, tasks=4, latest=lambda: None, num_workers=4)
+    assert grow_back(state, free=4, tasks=4, latest=lambda: None, num_workers=4)[1] is None
+    assert grow_back(state, free=4, tasks=4, latest=lambda: 0, num_workers=4)[1] == 4
 
 
 def test_growing_back_replaces_only_a_verdict_to_go_on() -> None:
