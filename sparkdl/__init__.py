@@ -13,6 +13,7 @@ from sparkdl._internal.common.errors import (
     RunFailedError,
     RunTimeoutError,
     SparkDLError,
+    TrialPruned,
 )
 from sparkdl._internal.data.decoding.images import ImageDecoder
 from sparkdl._internal.driver.result import RunResult
@@ -20,6 +21,7 @@ from sparkdl._internal.driver.run import launch, run
 from sparkdl._internal.rank.context import RunContext, context
 from sparkdl._internal.train.keras import keras_checkpoint, keras_resume
 from sparkdl._internal.train.state import TrainState
+from sparkdl._internal.tune.search import tune
 from sparkdl._version import __version__ as __version__
 from sparkdl.compat import HorovodRunner, TorchDistributor
 from sparkdl.data import Dataset, write_dataset
@@ -47,11 +49,13 @@ __all__ = [
     "TorchEstimator",
     "TorchModel",
     "TrainState",
+    "TrialPruned",
     "context",
     "keras_checkpoint",
     "keras_resume",
     "launch",
     "run",
+    "tune",
     "write_dataset",
 ]
 

@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"train", "data"},
     {"task"},
     {"driver"},
-    {"compat", "ml"},
+    {"compat", "ml", "tune"},
     {"sparkdl.data", "sparkdl.ml", "sparkdl.compat", "sparkdl"},
     # The command line is an application of the public API (it calls sparkdl.run, sparkdl.RunConfig).
     {"cli"},

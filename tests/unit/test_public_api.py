@@ -16,7 +16,7 @@ PUBLIC = {
         "BackendUnavailableError", "CheckpointStore", "ConfigError", "Dataset", "DatasetError", "HorovodRunner",
         "ImageDecoder", "InsufficientSlotsError", "NotInRunError", "RunConfig", "RunContext", "RunFailedError",
         "RunResult", "RunTimeoutError", "SparkDLError", "TorchDistributor", "TorchEstimator", "TorchModel",
-        "TrainState", "context", "keras_checkpoint", "keras_resume", "launch", "run", "write_dataset",
+        "TrainState", "TrialPruned", "context", "keras_checkpoint", "keras_resume", "launch", "run", "tune", "write_dataset",
     },
     "sparkdl.data": {"Dataset", "write_dataset"},
     "sparkdl.ml": {"TorchEstimator", "TorchModel"},
@@ -25,7 +25,8 @@ PUBLIC = {
 }
 # Documented because the public API hands them out (ds.loader(), converter.make_torch_dataloader()),
 # not to be imported: their module paths may change.
-HANDED_OUT = {"sparkdl._internal.data.loader.Loader", "sparkdl.compat.petastorm.TorchDataLoader"}
+HANDED_OUT = {"sparkdl._internal.data.loader.Loader", "sparkdl.compat.petastorm.TorchDataLoader",
+              "sparkdl._internal.wire.trial.TrialSpec"}
 API_PAGE = REPO / "docs" / "reference" / "api.md"
 
 

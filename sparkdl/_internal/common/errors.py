@@ -74,6 +74,12 @@ class NotInRunError(SparkDLError, RuntimeError):
     """``sparkdl.context()`` was called outside of a function launched by ``sparkdl.run``."""
 
 
+class TrialPruned(SparkDLError):
+    """Raised in a trial's ranks (``sparkdl.tune``) to end the trial as pruned, when
+    ``context().report(...)`` or ``context().should_prune()`` said so. Every rank gets the same
+    decision at the same step, so every rank raises it there; ``optuna.TrialPruned`` does the same."""
+
+
 class DatasetError(SparkDLError):
     """Data cannot be read or written as asked: an unreachable URL, missing or inconsistent files,
     or values that cannot become tensors (nulls, arrays of another length than recorded)."""

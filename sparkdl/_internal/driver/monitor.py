@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
+from typing import Any
 
 from sparkdl._internal.ckpt.store import CheckpointStore
 from sparkdl._internal.common.config import RunConfig
@@ -40,9 +42,11 @@ from sparkdl._internal.wire.messages import (
     Started,
     decode,
 )
+from sparkdl._internal.wire.trial import OBJECTIVE, REPORT_KEY, Decide
 
 # How long the driver waits for running ranks' stacks before it stops their attempt.
 STACKS_WAIT_S = 2.0
+log = logging.getLogger(__name__)
 _Ask = tuple[tuple[int, int], Callable[[], bool]]
 
 
@@ -50,6 +54,15 @@ def _ask_over(conn: FramedConnection) -> bool:
     """Asks a Spark task, over its channel, for its rank's stacks."""
     try:
         conn.send(DumpStacks().encode())
+        return True
+    except (OSError, ChannelError):
+        return False
+
+
+def _order_over(conn: FramedConnection, decision: Decide) -> bool:
+    """Sends a Spark task, over its channel, its rank's trial decision."""
+    try:
+        conn.send(decision.encode())
         return True
     except (OSError, ChannelError):
         return False
@@ -101,6 +114,11 @@ class Monitor:
         self._askers: dict[tuple[int, int], Callable[[], bool]] = {}
         self._asked: dict[tuple[int, int], str] = {}
         self._awaited: set[tuple[int, int]] = set()
+        # A trial of sparkdl.tune: rank 0's reports go to ``judge`` (step, value -> prune), and
+        # each decision to every rank of the attempt, over the connections kept here.
+        self.judge: Callable[[int, float], bool | None] | None = None
+        self._orders: dict[tuple[int, int], Callable[[Decide], bool]] = {}
+        self._decided: dict[int, dict[int, bool]] = {}
 
     # ---- events ---------------------------------------------------------------------------
 
@@ -190,6 +208,7 @@ class Monitor:
             if joined is None:
                 return
             self._askers.pop(joined, None)
+            self._orders.pop(joined, None)
             self._awaited.discard(joined)
             rec = self.records[joined]
             if rec.state in (RankState.STARTING, RankState.RUNNING) and self.stopping is None:
@@ -234,9 +253,42 @@ class Monitor:
             if (rec := self.records.get((attempt, rank))) is not None and isinstance(skipped, int):
                 rec.skipped.append((skipped, str(record.get("reason", ""))))
             return
+        reported = record.pop(REPORT_KEY, None)
         if not record.pop(PROGRESS_KEY, None):  # a step report is for the progress line only
             self.metrics.add(record)
         self.progress.update(record)
+        if reported and rank == 0 and self.judge is not None:
+            self._decide(attempt, record)
+
+    def _decide(self, attempt: int, record: dict[str, Any]) -> None:
+        """Rank 0 of ``attempt`` reported: the study's decision goes to every rank of the attempt
+        (those whose rank has not started yet get it when it does, :meth:`order_source`)."""
+        step, value = record.get("step"), record.get(OBJECTIVE)
+        if not isinstance(step, int) or not isinstance(value, int | float):
+            return
+        assert self.judge is not None
+        try:
+            decided = self.judge(step, float(value))
+        except Exception as exc:  # the study's storage or pruner failed: the trial goes on
+            log.warning("sparkdl: the study could not judge step %d of this trial (it goes on): %s: %s",
+                        step, type(exc).__name__, exc)
+            decided = False
+        if decided is None:  # the study does not prune: the ranks do not wait for decisions
+            return
+        prune = bool(decided)
+        with self.cond:
+            self._decided.setdefault(attempt, {})[step] = prune
+            sends = [send for (a, _), send in self._orders.items() if a == attempt]
+        for send in sends:
+            send(Decide(step, prune))
+
+    def order_source(self, attempt: int, rank: int, send: Callable[[Decide], bool]) -> None:
+        """How to send a running rank the trial's decisions; it gets those made before at once."""
+        with self.cond:
+            self._orders[(attempt, rank)] = send
+            past = dict(self._decided.get(attempt, {}))
+        for step, prune in sorted(past.items()):
+            send(Decide(step, prune))
 
     # ---- the channel ----------------------------------------------------------------------
 
@@ -249,6 +301,8 @@ class Monitor:
             return
         if isinstance(msg, Started):
             self.stack_source(env.attempt, env.rank, functools.partial(_ask_over, conn))
+            if self.judge is not None:
+                self.order_source(env.attempt, env.rank, functools.partial(_order_over, conn))
         if isinstance(msg, LogLine):
             self.log(env.attempt, env.rank, msg)
         elif isinstance(msg, LogLines):

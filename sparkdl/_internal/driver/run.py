@@ -34,6 +34,7 @@ from sparkdl._internal.spark.reach import Marker
 from sparkdl._internal.spark.session import resolve_session
 from sparkdl._internal.wire.messages import MAX_LINE_BYTES
 from sparkdl._internal.wire.rankspec import RunSpec
+from sparkdl._internal.wire.trial import TrialSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -124,7 +125,7 @@ def launch(
         RunFailedError: every attempt failed; the message is the per-rank report.
         RunTimeoutError: the gang did not start, or an attempt did not finish, within its bound.
     """
-    return _launch(fn, args, kwargs, LaunchOptions.from_call(locals()))
+    return launch_with(fn, args, kwargs, LaunchOptions.from_call(locals()))
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,11 @@ class LaunchOptions:
 run.__signature__ = inspect.signature(launch).replace(return_annotation="T")  # type: ignore[attr-defined]
 
 
-def _launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: LaunchOptions) -> RunResult:
+def launch_with(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: LaunchOptions, *,
+                trial: TrialSpec | None = None, judge: Callable[[int, float], bool | None] | None = None) -> RunResult:
+    """:func:`launch` with its options as one object; a search's trial (``sparkdl.tune``) also
+    passes the ``trial`` its ranks see and ``judge``, which answers rank 0's reports (step,
+    value -> prune, or None: no decision is sent)."""
     if not callable(fn):
         raise invalid("fn", fn, "callable")
     cfg, num_workers, backend, checkpoint_dir = options.config, options.num_workers, options.backend, options.checkpoint_dir
@@ -194,7 +199,8 @@ def _launch(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
     monitor, output = watch.monitor, watch.output
     mlflow_on = cluster.mlflow_enabled(conf, cfg)
     spec = RunSpec(run_id=run_id, world_size=num_workers, backend=backend, use_gpu=gpu,
-                   checkpoint_url=store.url, config=cfg)
+                   checkpoint_url=store.url, config=cfg, trial=trial)
+    monitor.judge = judge
     value: Any = None
     marker: Marker | None = None
     lease: RunLease | None = None

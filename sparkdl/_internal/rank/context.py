@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 from sparkdl._internal.ckpt import sharded as sharded_ckpt
 from sparkdl._internal.ckpt.fence import Writer
 from sparkdl._internal.ckpt.store import CheckpointStore
-from sparkdl._internal.common.errors import ConfigError, NotInRunError
+from sparkdl._internal.common.errors import ConfigError, NotInRunError, SparkDLError
+from sparkdl._internal.common.validate import invalid
+from sparkdl._internal.rank import orders
 from sparkdl._internal.wire import rankspec
 from sparkdl._internal.wire.messages import PROGRESS_KEY
+from sparkdl._internal.wire.trial import OBJECTIVE, REPORT_KEY, TrialSpec
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +44,8 @@ class RunContext:
         host: address of the executor this rank runs on.
         backend: the run's backend: ``"torch"``, ``"horovod"``, ``"tensorflow"`` or ``"none"``.
         gpu_ids: GPU addresses Spark assigned to this rank's task (empty on CPU).
+        trial: in a search (:func:`sparkdl.tune`), this run's trial: ``trial.number`` and
+            ``trial.params``, what the search space returned for it; None in a plain run.
     """
 
     rank: int
@@ -59,6 +64,8 @@ class RunContext:
     checkpoint_finite_only: bool = False
     # Why the checkpoint directory must not be written (a host of the gang does not share it).
     checkpoints_refused: str | None = None
+    trial: TrialSpec | None = None
+    collective_timeout_s: float = 1800.0
 
     @property
     def device(self) -> torch.device:
@@ -162,6 +169,51 @@ class RunContext:
             record[key] = value
         self._send(record)
 
+    def report(self, value: float, step: int) -> bool:
+        """Reports the trial's objective ``value`` at ``step`` (an epoch, or a number of steps)
+        and returns whether the trial should stop here, pruned (:func:`sparkdl.tune`).
+
+        Every rank must call it, with the same steps, in the same order: rank 0's value is the
+        one the study gets and its pruner judges, and every rank waits here for that decision
+        (at most ``RunConfig.collective_timeout_s``), so all ranks of the gang leave the same
+        step with the same answer and none is left alone in a collective. To stop, raise
+        :class:`sparkdl.TrialPruned` (or ``optuna.TrialPruned``) on every rank, or return.
+        Outside a search, or when the study does not prune, it records the value as the metric
+        ``objective`` and returns False at once.
+
+        Example::
+
+            for epoch in range(epochs):
+                loss = train_one_epoch(...)
+                if ctx.report(validate(model), step=epoch):
+                    raise sparkdl.TrialPruned()
+        """
+        if hasattr(value, "item"):
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid("report: value", value, "a number (a float, or a 0-d tensor)")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise invalid("report: step", step, "an integer >= 0")
+        self._send({"time": time.time(), "rank": self.rank, "attempt": self.attempt, "step": step,
+                    OBJECTIVE: float(value), REPORT_KEY: 1})
+        pipe = orders.pipe()
+        if self.trial is None or not self.trial.pruning or pipe is None:
+            return False
+        try:
+            prune = pipe.decision(step, self.collective_timeout_s)
+        except TimeoutError:
+            raise SparkDLError(
+                f"rank {self.rank} waited {self.collective_timeout_s:g} s (RunConfig.collective_timeout_s) for the "
+                f"study's decision on step {step}, which comes once rank 0 reports that step: every rank must call "
+                "context().report with the same steps"
+            ) from None
+        return bool(prune)
+
+    def should_prune(self) -> bool:
+        """Whether a decision this rank received so far (from :meth:`report`) said to prune the trial."""
+        pipe = orders.pipe()
+        return pipe is not None and pipe.last_prune
+
     def _report_step(self, step: int) -> None:
         """Tells the driver this rank's step (for the progress line and the stragglers), not a metric."""
         self._send({"rank": self.rank, "attempt": self.attempt, "step": int(step), PROGRESS_KEY: 1}, quiet=True)
@@ -214,4 +266,6 @@ def context() -> RunContext:
         checkpoint_sync=spec.checkpoint_sync,
         checkpoint_finite_only=spec.checkpoint_finite_only,
         checkpoints_refused=gang.checkpoints_refused,
+        trial=spec.trial,
+        collective_timeout_s=spec.collective_timeout_s,
     )

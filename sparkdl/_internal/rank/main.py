@@ -31,7 +31,8 @@ from typing import IO
 from sparkdl._internal.backends import get_backend
 from sparkdl._internal.backends.base import Backend
 from sparkdl._internal.common import proctree
-from sparkdl._internal.wire import rankspec, workdir_files
+from sparkdl._internal.rank import orders
+from sparkdl._internal.wire import rankspec, trial, workdir_files
 
 # The function of the lifeline thread: stack reports leave that thread out.
 LIFELINE_FRAME = "sparkdl_lifeline"
@@ -185,8 +186,8 @@ def _run(workdir: Path, control: int) -> int:
 
         backend = get_backend(spec.backend)
         backend.prepare_rank(workdir)
-        with os.fdopen(control) as pipe:
-            told = pipe.read()
+        # The pipe stays open: a trial's decisions come down it later (sparkdl._internal.rank.orders).
+        told = orders.open_pipe(control).first_line()
         if not told:
             return 3  # the task gave up before the gang formed
         os.environ.update(json.loads(told))
@@ -218,6 +219,14 @@ def _run(workdir: Path, control: int) -> int:
             workdir_files.write_result(workdir, cloudpickle.dumps(None))
         return code
     except BaseException as exc:
+        if not stage and trial.is_pruned_exception(exc):
+            # The trial ends pruned (every rank was told so at the same step): not a failure.
+            if spec.rank == 0:
+                import cloudpickle
+
+                workdir_files.write_result(workdir, cloudpickle.dumps(trial.Pruned()))
+            backend.teardown_rank()
+            return 0
         failed_at = time.time()  # before a write to a full stderr pipe can delay it
         sys.stderr.write(_format(exc, skip_own_frame=not stage))
         _record_error(workdir, exc, stage, failed_at)

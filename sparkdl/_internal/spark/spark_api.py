@@ -126,6 +126,11 @@ class SparkApi:
 
     # ---- jobs ------------------------------------------------------------------------------
 
+    def scheduler_pool(self, pool: str) -> None:
+        """In this thread: the jobs it submits (and those of threads it starts) go to scheduler
+        pool ``pool`` (with ``spark.scheduler.mode=FAIR``, concurrent jobs share the slots
+        pool by pool). Spark Connect has no local properties: nothing happens there."""
+
     def tag_jobs(self, tag: str, description: str) -> None:
         """In the thread that submits them: the next jobs carry ``tag`` (:meth:`cancel` stops them)."""
         raise NotImplementedError
@@ -251,6 +256,9 @@ class ClassicApi(SparkApi):
             return []
         executors = {host for ident, host in pairs if ident != "driver"}
         return sorted(executors or {host for _, host in pairs})
+
+    def scheduler_pool(self, pool: str) -> None:
+        self.sc.setLocalProperty("spark.scheduler.pool", pool)
 
     def tag_jobs(self, tag: str, description: str) -> None:
         self.sc.setJobGroup(tag, description, interruptOnCancel=True)

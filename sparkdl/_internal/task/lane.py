@@ -40,6 +40,7 @@ from sparkdl._internal.wire.messages import (
     Stop,
 )
 from sparkdl._internal.wire.rankspec import GangSpec, RankSpec
+from sparkdl._internal.wire.trial import Decide, decision_line
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,9 @@ class Lane:
         proc.tell_gang(GangSpec.form(self.spec, attempt=attempt, hosts=[m.host for m in members],
                                      master_port=members[0].port,
                                      checkpoints_refused=refused(run.checkpoint_url, members)), job_env)
+        if relayed and run.trial is not None:
+            # The hub carries no decisions: the trial's reports are not waited on.
+            proc.order(decision_line(None, off="the gang reports through the relay hub (spark.sparkdl.channel)"))
         if self.listener is not None:
             # Only the rank 0 process holds the store's socket from here on.
             self.listener.close()
@@ -231,7 +235,8 @@ def refused(url: str, members: list[Member]) -> str | None:
 def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, timeout_s: float,
                    told: Orders) -> threading.Thread:
     """Reads the driver's requests once the rank runs (:class:`DumpStacks`: reply with the rank's
-    stacks; the relay hub's :class:`Stop`: end the rank) until the connection closes. Its replies
+    stacks; :class:`Decide`: a trial's decision, passed down to the rank; the relay hub's
+    :class:`Stop`: end the rank) until the connection closes. Its replies
     go through ``link``, whose lock orders them with the relays' sends; the socket's timeout stays
     the one ``recv`` of GoAhead set. When the driver closes the connection while the rank runs,
     the driver is gone (a Spark Connect client ends without the server): ``told.lost`` is set and
@@ -252,7 +257,9 @@ def _answer_driver(conn: FramedConnection, link: DriverLink, proc: RankProcess, 
                     told.lost.set()
                     proc.kill()
                 return
-            if DumpStacks.asked(frame):
+            if (decision := Decide.asked(frame)) is not None:
+                proc.order(decision_line(decision))
+            elif DumpStacks.asked(frame):
                 link.send(Stacks(proc.pid, proc.dump_stacks()))
             elif Stop.asked(frame):
                 told.stop = str(frame.get("reason", ""))

@@ -192,6 +192,12 @@ class _Relay:
             self._fallback.write("".join(text + "\n" for text in texts))
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _last_redraw(line: bytes) -> bytes:
     """What a terminal shows of ``line``: the text after its last carriage return (one that ends
     it, as in ``\r\n``, does not count)."""
@@ -224,6 +230,7 @@ class RankProcess:
         self.tail: deque[str] = deque(maxlen=max(tail_lines, 1))
         self._lifeline_w: int | None = None
         self._control_w: int | None = None
+        self._told = False  # the gang went down the control pipe
         self._relays: list[_Relay] = []
         self._dump_lock = threading.Lock()
         workdir_files.write_payload(workdir, fn_bytes)
@@ -261,12 +268,26 @@ class RankProcess:
     def tell_gang(self, gang: GangSpec, job_env: dict[str, str] | None = None) -> None:
         """Sends the gang to the rank, which has waited for it since it started; ``job_env``:
         variables only known once the gang formed (an MPI job's, :mod:`sparkdl._internal.backends.horovod.mpi`)."""
-        fd, self._control_w = self._control_w, None
-        if fd is None:
+        fd = self._control_w
+        if fd is None or self._told:
             raise RuntimeError("the gang was already sent to this rank")
-        with os.fdopen(fd, "w") as control:
-            control.write(json.dumps({**(job_env or {}), **gang_env(self.spec, gang)}))
+        self._told = True
+        _write_all(fd, (json.dumps({**(job_env or {}), **gang_env(self.spec, gang)}) + "\n").encode())
+        # The pipe stays open for the driver's later orders (a trial's decisions), which must
+        # never block the lane: a rank that does not read them loses them, and nothing else.
+        os.set_blocking(fd, False)
         self.ready.set()
+
+    def order(self, line: bytes) -> bool:
+        """Writes one line (at most PIPE_BUF bytes: whole or not at all) down the rank's control
+        pipe, after its gang; False when it did not go (the pipe is full or closed)."""
+        fd = self._control_w
+        if fd is None or not self._told:
+            return False
+        try:
+            return os.write(fd, line) == len(line)
+        except OSError:
+            return False
 
     def wait(self, timeout: float | None = None) -> int:
         """The rank's exit code (negative: the signal that killed it), once it and its output ended."""

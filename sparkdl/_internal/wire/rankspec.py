@@ -22,6 +22,7 @@ from pathlib import Path
 from sparkdl._internal.common.config import RunConfig
 from sparkdl._internal.common.errors import NotInRunError
 from sparkdl._internal.fs.storage import redact
+from sparkdl._internal.wire.trial import TrialSpec
 
 PREFIX = "SPARKDL_"
 # Descriptors a rank inherits; the environment names their numbers as SPARKDL_<NAME>_FD.
@@ -38,6 +39,8 @@ class RunSpec:
     use_gpu: bool
     checkpoint_url: str
     config: RunConfig
+    # The trial this run is, in a search (sparkdl.tune); None for a plain run.
+    trial: TrialSpec | None = None
 
     @property
     def tasks(self) -> int:
@@ -65,6 +68,7 @@ class RankSpec:
     horovod_controller: str = RunConfig.horovod_controller
     # The ranks of this rank's Spark task (RunConfig.processes_per_task); this one is rank % it.
     processes_per_task: int = 1
+    trial: TrialSpec | None = None
 
     @classmethod
     def of(cls, run: RunSpec, *, rank: int, host: str, gpu_ids: list[str], task_pid: int) -> RankSpec:
@@ -84,6 +88,7 @@ class RankSpec:
             checkpoint_finite_only=run.config.checkpoint_finite_only,
             horovod_controller=run.config.horovod_controller,
             processes_per_task=run.config.processes_per_task,
+            trial=run.trial,
         )
 
 
@@ -147,6 +152,8 @@ def rank_env(spec: RankSpec, workdir: Path | None = None) -> dict[str, str]:
         PREFIX + "HOROVOD_CONTROLLER": spec.horovod_controller,
         PREFIX + "PROCESSES_PER_TASK": str(spec.processes_per_task),
     }
+    if spec.trial is not None:
+        env.update(spec.trial.env())
     if spec.task_pid is not None:
         # The Python worker running this rank's Spark task (a forked rank's parent is the zygote).
         env[PREFIX + "TASK_PID"] = str(spec.task_pid)
@@ -257,6 +264,7 @@ def read_rank(env: Mapping[str, str] | None = None) -> RankSpec:
         checkpoint_finite_only=env.get(PREFIX + "CHECKPOINT_FINITE_ONLY") == "1",
         horovod_controller=env.get(PREFIX + "HOROVOD_CONTROLLER", RunConfig.horovod_controller),
         processes_per_task=int(env.get(PREFIX + "PROCESSES_PER_TASK", "1")),
+        trial=TrialSpec.from_env(env),
     )
 
 

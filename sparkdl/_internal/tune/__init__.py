@@ -1,0 +1,1 @@
+"""``sparkdl.tune``: hyperparameter searches whose trials are ``sparkdl.run`` gangs (:mod:`.search`)."""

@@ -1,0 +1,179 @@
+"""``sparkdl.tune`` on a real local[4] Spark: trials are gangs of 2 ranks (gloo, an allreduce every
+step), with an Optuna study. Concurrent gangs, a third trial waiting for slots, pruning at the
+same step on every rank, a rank SIGKILLed inside a trial, and the driver SIGKILLed mid-search,
+then the search called again. The objective is :mod:`tune_objective` (tests/resources)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import psutil
+import pytest
+from conftest import REPO, needs_session
+
+import sparkdl
+
+optuna = pytest.importorskip("optuna")
+sys.path.insert(0, str(REPO / "tests" / "resources"))
+tune_objective = importlib.import_module("tune_objective")
+cloudpickle.register_pickle_by_value(tune_objective)
+importlib.import_module("pyspark.cloudpickle").register_pickle_by_value(tune_objective)
+
+pytestmark = [pytest.mark.spark]
+
+CFG = sparkdl.RunConfig(start_timeout_s=90, slot_wait_s=30, collective_timeout_s=60, kill_grace_s=30)
+
+
+def space(trial):  # type: ignore[no-untyped-def]
+    return {"lr": trial.suggest_float("lr", 1e-4, 1.0, log=True)}
+
+
+@pytest.fixture(scope="module")
+@needs_session("local[4]")
+def four_slots(spark_session):  # type: ignore[no-untyped-def]
+    return spark_session("local[4]")
+
+
+def _study(*lrs: float, pruner=None, storage=None, name=None):  # type: ignore[no-untyped-def]
+    study = optuna.create_study(pruner=pruner or optuna.pruners.NopPruner(), storage=storage, study_name=name,
+                                load_if_exists=storage is not None)
+    for lr in lrs:
+        study.enqueue_trial({"lr": lr})
+    return study
+
+
+def _started(log: Path, trial: int, attempt: int = 0) -> float:
+    return min(float((log / f"t{trial}-a{attempt}-r{r}.start").read_text().split()[1]) for r in (0, 1))
+
+
+def _ended(log: Path, trial: int, attempt: int = 0) -> float:
+    return max(float((log / f"t{trial}-a{attempt}-r{r}.end").read_text()) for r in (0, 1))
+
+
+def _pids(log: Path, trial: int) -> list[int]:
+    return [int(p.read_text().split()[0]) for p in log.glob(f"t{trial}-a*-r*.start")]
+
+
+def _gone(pids: list[int], bound_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + bound_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    return alive
+
+
+def test_trials_run_as_concurrent_gangs_a_third_waits_for_slots_and_a_killed_rank_resumes(four_slots, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = tmp_path / "log"
+    log.mkdir()
+    study = _study(0.01, 0.1, 0.001)
+    # Trial 0's rank 1 is SIGKILLed after its step-1 checkpoint, in the first attempt.
+    plan = {"sleep": 0.5, "kill": [0, 0, 1, 1]}
+    out = sparkdl.tune(tune_objective.objective, str(log), plan, study=study, search_space=space, n_trials=3,
+                       workers_per_trial=2, max_concurrent=3, config=CFG, spark=four_slots,
+                       tune_dir=str(tmp_path / "search"))
+    assert out is study
+    trials = sorted(study.trials, key=lambda t: t.number)
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    # Every trial's value, and every step it reported, as an uninterrupted search gives them.
+    for t in trials:
+        lr = t.params["lr"]
+        assert t.value == pytest.approx(tune_objective.loss(lr, tune_objective.STEPS - 1))
+        assert t.intermediate_values == {s: pytest.approx(tune_objective.loss(lr, s)) for s in range(tune_objective.STEPS)}
+    # Trial 0 reran from its checkpoint (after step 1: at step 2) on both ranks.
+    assert {p.name for p in log.glob("t0-r*-resumed-at-*")} == {"t0-r0-resumed-at-2", "t0-r1-resumed-at-2"}
+    assert not list(log.glob("t1-r*-resumed*")) and not list(log.glob("t2-r*-resumed*"))
+    # Four slots hold two gangs of two: trials 0 and 1 ran at once; trial 2 waited for one of them.
+    # (Trial 0's first attempt ran until its rerun started.)
+    spans = {0: (_started(log, 0), _started(log, 0, attempt=1)), 1: (_started(log, 1), _ended(log, 1))}
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], spans
+    assert _started(log, 2) >= min(_ended(log, 0, attempt=1), _ended(log, 1)) - 0.05, spans
+    assert not _gone([p for t in range(3) for p in _pids(log, t)])
+
+
+def test_a_worse_trial_is_pruned_at_the_same_step_on_every_rank_and_its_ranks_end(four_slots, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = tmp_path / "log"
+    log.mkdir()
+    # Trial 0 (lr 0.01) sets the median; trial 1 (lr 1.0) is clearly worse at every step.
+    study = _study(0.01, 1.0, pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1))
+    sparkdl.tune(tune_objective.objective, str(log), {}, study=study, search_space=space, n_trials=2,
+                 workers_per_trial=2, config=CFG, spark=four_slots, tune_dir=str(tmp_path / "search"))
+    good, bad = sorted(study.trials, key=lambda t: t.number)
+    assert good.state.name == "COMPLETE"
+    assert bad.state.name == "PRUNED"
+    # Both ranks were told at the same step, the first after the warm-up, and stopped there: none
+    # went on alone into the next step's allreduce (which would have failed the trial).
+    assert sorted(p.name for p in log.glob("t1-r*-pruned-at-*")) == ["t1-r0-pruned-at-1", "t1-r1-pruned-at-1"]
+    assert not list(log.glob("t1-a*-r*.end"))
+    assert bad.intermediate_values == {0: pytest.approx(tune_objective.loss(1.0, 0)),
+                                       1: pytest.approx(tune_objective.loss(1.0, 1))}
+    assert not _gone(_pids(log, 1))
+
+
+def test_a_search_whose_driver_was_killed_resumes_where_it_was(four_slots, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log, journal, search = tmp_path / "log", tmp_path / "study.journal", tmp_path / "search"
+    log.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "resources")]),
+           "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    driver = subprocess.Popen([sys.executable, str(REPO / "tests" / "resources" / "tune_objective.py"), str(log),
+                               str(journal), str(search)], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(log.glob("t1-r*-holding"))) < 2:
+            assert driver.poll() is None, driver.stderr.read().decode()[-3000:] if driver.stderr else ""
+            assert time.monotonic() < deadline, "trial 1 never reached its step 2"
+            time.sleep(0.2)
+        held = _pids(log, 1)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+        # The driver's JVM, its executors' workers and the ranks of the trial it ran end without it.
+        assert not _gone(held, 60), "trial 1's ranks outlived their driver"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        os.killpg(driver.pid, signal.SIGKILL) if _group_alive(driver.pid) else None
+    (log / "go").touch()
+    started_before = {p.name for p in log.glob("*.start")}
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    study = optuna.load_study(study_name="killed", storage=storage)
+    assert [t.state.name for t in sorted(study.trials, key=lambda t: t.number)] == ["COMPLETE", "RUNNING", "WAITING"]
+    sparkdl.tune(tune_objective.objective, str(log), {}, study=study, search_space=space, n_trials=3,
+                 workers_per_trial=2, config=CFG, spark=four_slots, tune_dir=str(search))
+    trials = sorted(study.trials, key=lambda t: t.number)
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    for t in trials:
+        assert t.value == pytest.approx(tune_objective.loss(t.params["lr"], tune_objective.STEPS - 1))
+    started_after = {p.name for p in log.glob("*.start")} - started_before
+    # Trial 0 was not run again; trial 1 resumed from its checkpoint at step 2; trial 2 ran once.
+    assert not any(name.startswith("t0-") for name in started_after), started_after
+    assert {p.name for p in log.glob("t1-r*-resumed-at-*")} == {"t1-r0-resumed-at-2", "t1-r1-resumed-at-2"}
+    assert {n for n in started_after if n.startswith("t2-")} == {"t2-a0-r0.start", "t2-a0-r1.start"}
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_tune_refuses_bad_arguments_before_any_spark_job(four_slots) -> None:  # type: ignore[no-untyped-def]
+    study = _study()
+    with pytest.raises(sparkdl.InsufficientSlotsError, match="workers_per_trial=5 needs 5 task slots"):
+        sparkdl.tune(tune_objective.objective, "x", {}, study=study, search_space=space, n_trials=1,
+                     workers_per_trial=5, spark=four_slots)
+    with pytest.raises(sparkdl.ConfigError, match="objectives"):
+        sparkdl.tune(tune_objective.objective, study=optuna.create_study(directions=["minimize", "minimize"]),
+                     search_space=space, n_trials=1, workers_per_trial=1, spark=four_slots)
+    with pytest.raises(sparkdl.ConfigError, match=r"study must be an optuna\.Study"):
+        sparkdl.tune(tune_objective.objective, study="s", search_space=space, n_trials=1, workers_per_trial=1)
+    assert study.trials == []
