@@ -82,7 +82,8 @@ class Tally:
                 self.pruned += 1
             else:
                 self.failed += 1
-            self._say(f"trial {number} {state.lower()}" + (f" with {value:.6g}" if value is not None else ""))
+            said = {"COMPLETE": "completed", "PRUNED": "was pruned"}.get(state, "failed")
+            self._say(f"trial {number} {said}" + (f" with {value:.6g}" if value is not None else ""))
 
     def _say(self, event: str) -> None:
         done = self.complete + self.pruned + self.failed
