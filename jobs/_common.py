@@ -42,6 +42,7 @@ PRIVATE_DEFAULTS = {
     "output": ("predictions", "sparkdl.inference.output"),
     "images": ("digit-images", "sparkdl.images.images"),
     "pipeline": ("image-pipeline", "sparkdl.images.pipeline"),
+    "study": ("tune-digits", "sparkdl.tune.study"),
 }
 
 
@@ -131,7 +132,7 @@ def apply_defaults(parser: argparse.ArgumentParser, job: str, props: dict[str, s
             updates[action.dest] = _convert(action, value, f"{where}: {key}", parser)
     for key in props:
         scope = key.split(".")[1] if key.count(".") >= 2 else ""
-        if not key.startswith("sparkdl.") or scope not in ("jobs", "etl", "train", "inference", "images"):
+        if not key.startswith("sparkdl.") or scope not in ("jobs", "etl", "train", "inference", "images", "tune"):
             parser.error(f"{where}: unknown key {key!r}; keys are sparkdl.jobs.<option> or sparkdl.<job>.<option>")
     parser.set_defaults(**updates)
 
@@ -185,8 +186,9 @@ def absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def session(args: argparse.Namespace, app_name: str) -> SparkSession:
-    """The job's SparkSession: the one spark-submit set up, or a new one from the job's options."""
+def session(args: argparse.Namespace, app_name: str, slots: int | None = None) -> SparkSession:
+    """The job's SparkSession: the one spark-submit set up, or a new one from the job's options
+    (on ``local[slots]``, by default ``local[NUM_WORKERS]``, when no master is given)."""
     if under_spark_submit():
         from pyspark.sql import SparkSession
 
@@ -211,4 +213,4 @@ def session(args: argparse.Namespace, app_name: str) -> SparkSession:
         for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
             confs[key] = f"{confs[key]} {opt}" if key in confs else opt
     # A session of our own: on loopback and with this interpreter as the workers' Python when local.
-    return create_session(args.master, confs, app_name, f"local[{args.num_workers}]")
+    return create_session(args.master, confs, app_name, f"local[{slots or args.num_workers}]")

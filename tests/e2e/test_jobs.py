@@ -50,3 +50,30 @@ def test_train_job_with_plain_python_from_nothing_to_a_saved_model(tmp_path: Pat
     scored = model.transform(spark.read.parquet(str(tmp_path / "digits" / "test")))
     accuracy = scored.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
     assert accuracy == pytest.approx(summary["accuracy"])
+
+
+@pytest.mark.one_stack("classic", "sparkdl.tune itself runs on both stacks in tests/integration/test_tune.py")
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_tune_job_searches_and_a_second_run_finishes_the_same_search(tmp_path: Path) -> None:
+    """jobs/tune.py from nothing: the ETL, then a search of 3 trials, 2 at once; run again with
+    --trials 4, it keeps the 3 finished trials and adds one."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+
+    def search(trials: int) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            [sys.executable, str(JOBS / "tune.py"), "--data", "digits", "--study", "study", "--trials", str(trials),
+             "--epochs", "2", "--conf", "spark.sql.shuffle.partitions=2"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+        assert "Traceback" not in out.stdout
+        return out
+
+    first = search(3)
+    assert "sparkdl tune: trial 1 started: 2 running" in first.stderr  # two trials at once
+    best = json.loads((tmp_path / "study" / "best.json").read_text())
+    assert best["error"] < 0.5 and set(best["params"]) == {"lr", "momentum"}
+    second = search(4)
+    assert "trial 3 started" in second.stderr and "trial 0 started" not in second.stderr
+    assert "4 trials:" in second.stdout
