@@ -5,6 +5,7 @@ then the search called again. The objective is :mod:`tune_objective` (tests/reso
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -88,8 +89,8 @@ def test_trials_run_as_concurrent_gangs_a_third_waits_for_slots_and_a_killed_ran
         assert t.value == pytest.approx(tune_objective.loss(lr, tune_objective.STEPS - 1))
         assert t.intermediate_values == {s: pytest.approx(tune_objective.loss(lr, s)) for s in range(tune_objective.STEPS)}
     # Trial 0 reran from its checkpoint (after step 1: at step 2) on both ranks.
-    assert {p.name for p in log.glob("t0-r*-resumed-at-*")} == {"t0-r0-resumed-at-2", "t0-r1-resumed-at-2"}
-    assert not list(log.glob("t1-r*-resumed*")) and not list(log.glob("t2-r*-resumed*"))
+    assert [(log / f"t0-r{r}-resumed").read_text().split() for r in (0, 1)] == [["2"], ["2"]]
+    assert not list(log.glob("t1-r*-resumed")) and not list(log.glob("t2-r*-resumed"))
     # Four slots hold two gangs of two: trials 0 and 1 ran at once; trial 2 waited for one of them.
     # (Trial 0's first attempt ran until its rerun started.)
     spans = {0: (_started(log, 0), _started(log, 0, attempt=1)), 1: (_started(log, 1), _ended(log, 1))}
@@ -117,53 +118,85 @@ def test_a_worse_trial_is_pruned_at_the_same_step_on_every_rank_and_its_ranks_en
     assert not _gone(_pids(log, 1))
 
 
-def test_a_search_whose_driver_was_killed_resumes_where_it_was(four_slots, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    log, journal, search = tmp_path / "log", tmp_path / "study.journal", tmp_path / "search"
-    log.mkdir()
+def _held(log: Path) -> int:
+    """How many times both ranks of trial 1 reached its hold (step 2)."""
+    counts = [len(p.read_text().splitlines()) for p in log.glob("t1-r*-holding")]
+    return min(counts) if len(counts) == 2 else 0
+
+
+def _driver_until_held(log: Path, journal: Path, search: Path, times: int) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A driver process running the search (tune_objective's __main__), once trial 1 is held at
+    step 2 for the ``times``-th time; with the pids of trial 1's ranks."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "resources")]),
            "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
     driver = subprocess.Popen([sys.executable, str(REPO / "tests" / "resources" / "tune_objective.py"), str(log),
                                str(journal), str(search)], env=env, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while _held(log) < times:
+        if driver.poll() is not None or time.monotonic() > deadline:
+            _end_group(driver)
+            pytest.fail(f"trial 1 never reached its step 2: {driver.stderr.read().decode()[-3000:] if driver.stderr else ''}")
+        time.sleep(0.2)
+    pids = [int(p.read_text().splitlines()[-1]) for p in log.glob("t1-r*-holding")]
+    return driver, pids
+
+
+def _end_group(driver: subprocess.Popen[bytes]) -> None:
+    if driver.poll() is None:
+        driver.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait(30)
+
+
+def _states(journal: Path) -> list[str]:
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    return [t.state.name for t in sorted(optuna.load_study(study_name="killed", storage=storage).trials,
+                                         key=lambda t: t.number)]
+
+
+def test_a_search_stopped_by_ctrl_c_or_whose_driver_was_killed_resumes_where_it_was(four_slots, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log, journal, search = tmp_path / "log", tmp_path / "study.journal", tmp_path / "search"
+    log.mkdir()
+    # Ctrl-C (SIGINT) while trial 1 runs: the driver ends its gang and returns, within the bound.
+    driver, held = _driver_until_held(log, journal, search, 1)
     try:
-        deadline = time.monotonic() + 180
-        while len(list(log.glob("t1-r*-holding"))) < 2:
-            assert driver.poll() is None, driver.stderr.read().decode()[-3000:] if driver.stderr else ""
-            assert time.monotonic() < deadline, "trial 1 never reached its step 2"
-            time.sleep(0.2)
-        held = _pids(log, 1)
+        driver.send_signal(signal.SIGINT)
+        driver.wait(90)
+        assert b"KeyboardInterrupt" in (driver.stderr.read() if driver.stderr else b"")
+        assert not _gone(held, 30), "trial 1's ranks outlived the interrupted search"
+    finally:
+        _end_group(driver)
+    assert _states(journal) == ["COMPLETE", "RUNNING", "WAITING"]
+    # The search again (trial 1 resumes and is held again), then its driver SIGKILLed.
+    driver, held = _driver_until_held(log, journal, search, 2)
+    try:
         driver.send_signal(signal.SIGKILL)
         driver.wait(30)
         # The driver's JVM, its executors' workers and the ranks of the trial it ran end without it.
         assert not _gone(held, 60), "trial 1's ranks outlived their driver"
     finally:
-        if driver.poll() is None:
-            driver.kill()
-        os.killpg(driver.pid, signal.SIGKILL) if _group_alive(driver.pid) else None
+        _end_group(driver)
+    assert _states(journal) == ["COMPLETE", "RUNNING", "WAITING"]
     (log / "go").touch()
-    started_before = {p.name for p in log.glob("*.start")}
+    started_before = {p.name: p.read_text() for p in log.glob("*.start")}
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
     study = optuna.load_study(study_name="killed", storage=storage)
-    assert [t.state.name for t in sorted(study.trials, key=lambda t: t.number)] == ["COMPLETE", "RUNNING", "WAITING"]
     sparkdl.tune(tune_objective.objective, str(log), {}, study=study, search_space=space, n_trials=3,
                  workers_per_trial=2, config=CFG, spark=four_slots, tune_dir=str(search))
     trials = sorted(study.trials, key=lambda t: t.number)
     assert [t.state.name for t in trials] == ["COMPLETE"] * 3
     for t in trials:
         assert t.value == pytest.approx(tune_objective.loss(t.params["lr"], tune_objective.STEPS - 1))
-    started_after = {p.name for p in log.glob("*.start")} - started_before
-    # Trial 0 was not run again; trial 1 resumed from its checkpoint at step 2; trial 2 ran once.
-    assert not any(name.startswith("t0-") for name in started_after), started_after
-    assert {p.name for p in log.glob("t1-r*-resumed-at-*")} == {"t1-r0-resumed-at-2", "t1-r1-resumed-at-2"}
-    assert {n for n in started_after if n.startswith("t2-")} == {"t2-a0-r0.start", "t2-a0-r1.start"}
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+        assert set(t.intermediate_values) == set(range(tune_objective.STEPS))
+    # Trial 0 ran once; trial 1 resumed from its step-2 checkpoint each of the two times after the
+    # first; trial 2 ran once, in the last call.
+    assert {n: p.read_text() for n, p in ((p.name, p) for p in log.glob("t0-*.start"))} == \
+        {n: t for n, t in started_before.items() if n.startswith("t0-")}
+    assert [(log / f"t1-r{r}-resumed").read_text().split() for r in (0, 1)] == [["2", "2"], ["2", "2"]]
+    assert sorted(p.name for p in log.glob("t2-*.start")) == ["t2-a0-r0.start", "t2-a0-r1.start"]
+    assert "t2-a0-r0.start" not in started_before
 
 
 def test_tune_refuses_bad_arguments_before_any_spark_job(four_slots) -> None:  # type: ignore[no-untyped-def]

@@ -37,14 +37,16 @@ def objective(log_dir: str, plan: dict[str, Any]) -> float:
     (d / f"{me}.start").write_text(f"{os.getpid()} {time.time()}")
     state = ctx.load_checkpoint() or {"step": 0}
     if state["step"]:
-        (d / f"t{n}-r{ctx.rank}-resumed-at-{state['step']}").touch()
+        with open(d / f"t{n}-r{ctx.rank}-resumed", "a") as f:  # one line a resume: the step
+            f.write(f"{state['step']}\n")
     for step in range(state["step"], STEPS):
         t = torch.ones(1)
         dist.all_reduce(t)
         time.sleep(plan.get("sleep", 0.0))
         hold = plan.get("hold")
         if hold == [n, step]:
-            (d / f"t{n}-r{ctx.rank}-holding").touch()
+            with open(d / f"t{n}-r{ctx.rank}-holding", "a") as f:  # one line a time it held
+                f.write(f"{os.getpid()}\n")
             while not (d / "go").exists():
                 time.sleep(0.1)
         if ctx.report(loss(lr, step), step=step):
@@ -59,7 +61,8 @@ def objective(log_dir: str, plan: dict[str, Any]) -> float:
 
 
 if __name__ == "__main__":
-    # The driver the test kills: tune on local[4], a journal-file study, trial 1 held at step 2.
+    # The driver the test stops (SIGINT) or kills: tune on local[4], a journal-file study, trial 1
+    # held at step 2; the trials are enqueued by the first driver only.
     import cloudpickle
     import optuna
     from pyspark.sql import SparkSession
@@ -70,8 +73,9 @@ if __name__ == "__main__":
              .config("spark.sql.shuffle.partitions", "1").getOrCreate())
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage_path))
     study = optuna.create_study(study_name="killed", storage=storage, load_if_exists=True)
-    for lr in (0.01, 0.1, 0.001):
-        study.enqueue_trial({"lr": lr})
+    if not study.trials:
+        for lr in (0.01, 0.1, 0.001):
+            study.enqueue_trial({"lr": lr})
     sparkdl.tune(objective, log_dir, {"hold": [1, 2]}, study=study, n_trials=3, workers_per_trial=2,
                  search_space=lambda t: {"lr": t.suggest_float("lr", 1e-4, 1.0, log=True)}, tune_dir=tune_dir,
                  config=sparkdl.RunConfig(start_timeout_s=90, collective_timeout_s=60))

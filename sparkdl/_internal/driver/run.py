@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -169,10 +170,12 @@ run.__signature__ = inspect.signature(launch).replace(return_annotation="T")  # 
 
 
 def launch_with(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], options: LaunchOptions, *,
-                trial: TrialSpec | None = None, judge: Callable[[int, float], bool | None] | None = None) -> RunResult:
+                trial: TrialSpec | None = None, judge: Callable[[int, float], bool | None] | None = None,
+                stop: threading.Event | None = None) -> RunResult:
     """:func:`launch` with its options as one object; a search's trial (``sparkdl.tune``) also
     passes the ``trial`` its ranks see and ``judge``, which answers rank 0's reports (step,
-    value -> prune, or None: no decision is sent)."""
+    value -> prune, or None: no decision is sent), and ``stop``, which, once set, stops the run
+    as Ctrl-C does (its gang ended, KeyboardInterrupt raised)."""
     if not callable(fn):
         raise invalid("fn", fn, "callable")
     cfg, num_workers, backend, checkpoint_dir = options.config, options.num_workers, options.backend, options.checkpoint_dir
@@ -218,7 +221,7 @@ def launch_with(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
             log.warning("sparkdl: run %s takes checkpoint directory %s over from run %s, whose driver "
                         "is gone%s", run_id, redact(store.url), lease.took_over,
                         f"; removed what it left half-written: {', '.join(gone)}" if gone else "")
-        value = SparkLauncher(session, api, checkpoints=marker).run(Job(spec, fn_bytes, attempts_allowed), monitor)
+        value = SparkLauncher(session, api, checkpoints=marker, stop=stop).run(Job(spec, fn_bytes, attempts_allowed), monitor)
     finally:
         if lease is not None:
             lease.release()

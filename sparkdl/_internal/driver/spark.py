@@ -68,10 +68,13 @@ class _Outcome:
 
 
 class SparkLauncher(Launcher):
-    def __init__(self, session: SparkSession, api: SparkApi, checkpoints: Marker | None = None) -> None:
+    def __init__(self, session: SparkSession, api: SparkApi, checkpoints: Marker | None = None,
+                 stop: threading.Event | None = None) -> None:
         self.session = session
         self.api = api
         self.checkpoints = checkpoints
+        # Set from another thread (a search stopping its trials): the run stops as on Ctrl-C.
+        self.stop = stop
 
     def launch(self, job: Job, monitor: Monitor) -> bytes:
         cfg = job.run.config
@@ -188,6 +191,8 @@ class SparkLauncher(Launcher):
                         break
                     if not done.is_set():
                         monitor.cond.wait(timeout=_POLL_S)
+                if self.stop is not None and self.stop.is_set():
+                    raise KeyboardInterrupt("the run was stopped from another thread of the driver")
         except BaseException:
             # Ctrl-C in a notebook or console: stop the gang before giving control back.
             monitor.stopping = "the driver was interrupted"

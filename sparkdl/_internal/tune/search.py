@@ -191,7 +191,9 @@ class _Search:
             f"{root.rstrip('/')}/tune-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.study.study_name)}"
         self.mlflow = cluster.mlflow_enabled(conf, cfg)
         self.pruning = prunes(self.study)
-        self._ask_lock = threading.Lock()
+        # Set when the search stops early (Ctrl-C, an error of the search itself): the running
+        # trials' gangs end, and the trials stay RUNNING, for a later call to resume.
+        self._stop = threading.Event()
 
     def _concurrency(self) -> int:
         total = self.api.task_slots()
@@ -227,8 +229,9 @@ class _Search:
             if left:
                 log.warning("sparkdl tune: resuming %d trial(s) of %s that a driver left running: %s", len(left),
                             self.tune_dir, ", ".join(str(t.number) for t in left))
-            with futures.ThreadPoolExecutor(self.concurrent, thread_name_prefix="sparkdl-trial") as pool:
-                running: dict[futures.Future[None], int] = {}
+            pool = futures.ThreadPoolExecutor(self.concurrent, thread_name_prefix="sparkdl-trial")
+            running: dict[futures.Future[None], int] = {}
+            try:
                 slots = list(range(self.concurrent))
                 while left or new or running:
                     while slots and (left or new):
@@ -243,6 +246,14 @@ class _Search:
                     for fut in done:
                         slots.append(running.pop(fut))
                         fut.result()  # what a trial cannot handle (a bug, an interrupt) ends the search
+            except BaseException:
+                # Ctrl-C, or a trial's unexpected error: every running gang ends before this returns
+                # (each within RunConfig.kill_grace_s), as a single run's does.
+                self._stop.set()
+                futures.wait(running, timeout=2 * self.launch.config.kill_grace_s + 10)
+                raise
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
         finally:
             lease.release()
             self._mlflow_end(parent)
@@ -275,12 +286,17 @@ class _Search:
         spec = TrialSpec(trial.number, nxt.params, self.pruning)
         checkpoints = f"{self.tune_dir.rstrip('/')}/trial-{trial.number}/checkpoints"
         options = replace(self.launch, checkpoint_dir=checkpoints)
+        if self._stop.is_set():
+            return  # the search stopped before this trial's turn: it stays as it was
         tally.started(trial.number, nxt.resumed)
         child = self._mlflow_child(parent, trial.number, nxt.params)
         state, value = "FAIL", None
         try:
             try:
                 result = self._launch(options, spec, judge)
+            except KeyboardInterrupt:
+                state = "RUNNING"  # the search was stopped: the trial resumes when tune is called again
+                raise
             except SparkDLError as exc:
                 trial.set_user_attr(ERROR_ATTR, first_lines(str(exc)))
                 log.warning("sparkdl tune: trial %d failed, the search goes on: %s", trial.number,
@@ -310,7 +326,7 @@ class _Search:
         deadline = time.monotonic() + options.config.start_timeout_s
         while True:
             try:
-                return launch_with(self.fn, self.args, self.kwargs, options, trial=spec, judge=judge)
+                return launch_with(self.fn, self.args, self.kwargs, options, trial=spec, judge=judge, stop=self._stop)
             except InsufficientSlotsError:
                 if time.monotonic() >= deadline:
                     raise

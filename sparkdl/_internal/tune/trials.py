@@ -80,9 +80,9 @@ class Tally:
                     self.best, self.best_trial = value, number
             elif state == "PRUNED":
                 self.pruned += 1
-            else:
+            elif state != "RUNNING":
                 self.failed += 1
-            said = {"COMPLETE": "completed", "PRUNED": "was pruned"}.get(state, "failed")
+            said = {"COMPLETE": "completed", "PRUNED": "was pruned", "RUNNING": "was stopped"}.get(state, "failed")
             self._say(f"trial {number} {said}" + (f" with {value:.6g}" if value is not None else ""))
 
     def _say(self, event: str) -> None:
