@@ -166,3 +166,12 @@ def test_a_client_that_dies_mid_run_leaves_no_rank_running(connect_server: Conne
         proc.send_signal(signal.SIGKILL)  # no clean-up of its own: the server outlives it
         proc.wait(timeout=10)
     wait_ended(ranks, 60, "their client died")
+
+
+def test_a_search_runs_from_a_connect_client_and_prunes_through_its_channel(connect_server: ConnectServer,
+                                                                             tmp_path: Path) -> None:
+    pytest.importorskip("optuna")
+    r = client(connect_server, "tune", tmp_path)
+    assert r["states"] == ["COMPLETE", "PRUNED"], r
+    assert "t1-r0-pruned-at-1" in r["pruned"], r["pruned"]
+    assert "sparkdl tune: trial 1 was pruned" not in r["stdout"]  # the progress line is on stderr

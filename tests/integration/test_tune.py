@@ -210,3 +210,31 @@ def test_tune_refuses_bad_arguments_before_any_spark_job(four_slots) -> None:  #
     with pytest.raises(sparkdl.ConfigError, match=r"study must be an optuna\.Study"):
         sparkdl.tune(tune_objective.objective, study="s", search_space=space, n_trials=1, workers_per_trial=1)
     assert study.trials == []
+
+
+def test_with_mlflow_the_search_is_a_parent_run_with_a_nested_run_per_trial(four_slots, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)  # MLflow's artifacts go under ./mlruns
+    log = tmp_path / "log"
+    log.mkdir()
+    study = _study(0.01, 0.1, name="logged")
+    sparkdl.tune(tune_objective.objective, str(log), {}, study=study, search_space=space, n_trials=2,
+                 workers_per_trial=2, max_concurrent=2, config=CFG.replace(mlflow=True), spark=four_slots,
+                 tune_dir=str(tmp_path / "search"))
+    client = mlflow.tracking.MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name("Default").experiment_id])
+    parents = [r for r in runs if r.info.run_name == "sparkdl-tune-logged"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    assert parent.data.metrics["best_value"] == pytest.approx(study.best_value)
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == {"trial-0", "trial-1"}
+    for number, lr in ((0, 0.01), (1, 0.1)):
+        child = children[f"trial-{number}"]
+        assert float(child.data.params["lr"]) == pytest.approx(lr)
+        assert child.data.tags["sparkdl.trial_state"] == "COMPLETE"
+        assert child.data.metrics["value"] == pytest.approx(study.trials[number].value)
+        # The trial's run logged into its nested run: rank 0's reports, step by step.
+        history = sorted((m.step, m.value) for m in client.get_metric_history(child.info.run_id, "objective"))
+        assert history == [(s, pytest.approx(tune_objective.loss(lr, s))) for s in range(tune_objective.STEPS)]

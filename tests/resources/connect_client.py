@@ -237,6 +237,24 @@ def scenario_serverdies(spark: Any, work: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:3000], "elapsed": time.monotonic() - started}
 
 
+def scenario_tune(spark: Any, work: str) -> dict[str, Any]:
+    """A search from the client: two one-rank trials, the worse pruned through the client's channel."""
+    import cloudpickle
+    import optuna
+    import tune_objective
+
+    cloudpickle.register_pickle_by_value(tune_objective)
+    log = f"{work}/log"
+    os.makedirs(log)
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1))
+    for lr in (0.01, 1.0):
+        study.enqueue_trial({"lr": lr})
+    sparkdl.tune(tune_objective.objective, log, {}, study=study, n_trials=2, workers_per_trial=1,
+                 search_space=lambda t: {"lr": t.suggest_float("lr", 1e-4, 1.0, log=True)}, tune_dir=f"{work}/search")
+    return {"states": [t.state.name for t in study.trials], "values": [t.value for t in study.trials],
+            "pruned": sorted(os.listdir(log))}
+
+
 def main() -> None:
     from pyspark.sql import SparkSession
 

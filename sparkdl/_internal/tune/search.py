@@ -285,7 +285,8 @@ class _Search:
         judge = Judge(trial, self.pruning, nxt.reported)
         spec = TrialSpec(trial.number, nxt.params, self.pruning)
         checkpoints = f"{self.tune_dir.rstrip('/')}/trial-{trial.number}/checkpoints"
-        options = replace(self.launch, checkpoint_dir=checkpoints)
+        # The session is passed on: a Spark Connect session is the active one only in the thread that made it.
+        options = replace(self.launch, spark=self.session, checkpoint_dir=checkpoints)
         if self._stop.is_set():
             return  # the search stopped before this trial's turn: it stays as it was
         tally.started(trial.number, nxt.resumed)
