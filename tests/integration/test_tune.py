@@ -238,3 +238,24 @@ def test_with_mlflow_the_search_is_a_parent_run_with_a_nested_run_per_trial(four
         # The trial's run logged into its nested run: rank 0's reports, step by step.
         history = sorted((m.step, m.value) for m in client.get_metric_history(child.info.run_id, "objective"))
         assert history == [(s, pytest.approx(tune_objective.loss(lr, s))) for s in range(tune_objective.STEPS)]
+
+
+def test_trials_whose_ranks_report_through_the_relay_hub_run_to_their_end_unpruned(four_slots, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sparkdl._internal.spark.spark_api import CHANNEL_MODE_CONF
+
+    log = tmp_path / "log"
+    log.mkdir()
+    study = _study(0.01, 1.0, pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1))
+    four_slots.conf.set(CHANNEL_MODE_CONF, "relay")
+    try:
+        sparkdl.tune(tune_objective.objective, str(log), {}, study=study, search_space=space, n_trials=2,
+                     workers_per_trial=2, config=CFG, spark=four_slots, tune_dir=str(tmp_path / "search"))
+    finally:
+        four_slots.conf.unset(CHANNEL_MODE_CONF)
+    # The hub carries no decisions: the ranks were told so and did not wait for any; the reports
+    # reached the study at the end of each attempt, with the attempt's record.
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    assert not list(log.glob("t1-r*-pruned-at-*"))
+    for t in study.trials:
+        assert t.intermediate_values == {s: pytest.approx(tune_objective.loss(t.params["lr"], s))
+                                         for s in range(tune_objective.STEPS)}

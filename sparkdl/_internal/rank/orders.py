@@ -42,6 +42,7 @@ class ControlPipe:
         said so, or closed the pipe), TimeoutError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
+            self._take_lines()  # what came with the gang, or with an earlier decision
             while step not in self.decisions:
                 if self.off is not None or self._eof:
                     return None

@@ -305,7 +305,9 @@ class _Search:
                 self.study.tell(trial, state=_state("FAIL"))
                 return
             trial.set_user_attr(RUN_ATTR, result.run_id)
-            if isinstance(result.value, Pruned) or judge.pruned_at is not None:
+            # Pruned as Optuna counts it: the trial ended by raising TrialPruned. (A trial whose
+            # ranks heard no decision, through the relay hub, ran to its end: its value stands.)
+            if isinstance(result.value, Pruned):
                 state = "PRUNED"
                 self.study.tell(trial, state=_state("PRUNED"))
                 return

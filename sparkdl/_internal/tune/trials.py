@@ -105,7 +105,6 @@ class Judge:
     def __init__(self, trial: optuna.Trial, pruning: bool, reported: set[int]) -> None:
         self.trial = trial
         self.pruning = pruning
-        self.pruned_at: int | None = None
         self.last: float | None = None
         self._reported = set(reported)  # steps the study has (a resumed trial's, from before)
         self._lock = threading.Lock()
@@ -119,10 +118,7 @@ class Judge:
                 self.trial.report(value, step)
             if not self.pruning:
                 return None
-            prune = bool(self.trial.should_prune())
-            if prune and self.pruned_at is None:
-                self.pruned_at = step
-            return prune
+            return bool(self.trial.should_prune())
 
 
 def first_lines(text: str, limit: int = 2000) -> str:

@@ -61,9 +61,12 @@ def test_a_decision_that_comes_later_is_waited_for_and_a_missing_one_times_out(p
 
 def test_no_decision_comes_when_the_lane_says_so_or_closes_the_pipe(pipe) -> None:  # type: ignore[no-untyped-def]
     reader, w = pipe
+    # Said in the same write as the gang: the reader has it already, and must not wait for more.
     os.write(w, b"{}\n" + decision_line(None, off="relayed"))
     reader.first_line()
+    started = time.monotonic()
     assert reader.decision(0, 5.0) is None and reader.off == "relayed"
+    assert time.monotonic() - started < 1
     r2, w2 = os.pipe()
     other = ControlPipe(r2)
     os.close(w2)
