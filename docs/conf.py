@@ -43,7 +43,7 @@ nitpicky = True
 # Names of other projects: no inventories are fetched (the build runs offline).
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|pyspark|pyarrow|numpy|np|pd|pandas|fsspec|horovod|pa|pq|concurrent|collections|typing|"
-               r"threading|socket|subprocess|argparse|pathlib|os|io|types|datetime|dataclasses|enum|abc)(\..*)?"),
+               r"threading|socket|subprocess|argparse|pathlib|os|io|types|datetime|dataclasses|enum|abc|optuna)(\..*)?"),
     (r"py:class", r"(Path|Any|Callable|Iterator|Iterable|Mapping|Sequence|T|Self|Generator|NoneType|optional|"
                   r"DataFrame|SparkSession|Tensor|Module|Optimizer|Transformer|ParamMap)"),
     # A type alias of the loader's (dict[str, Any]): autodoc shows its name.

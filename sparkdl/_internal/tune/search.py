@@ -125,7 +125,7 @@ def tune(
             :func:`sparkdl.launch`'s ``checkpoint_dir``).
 
     Returns:
-        the study, with the search's trials told: ``study.best_trial``, ``study.trials``.
+        The study, every trial of the search told (``study.best_trial``, ``study.trials``).
 
     Raises:
         ConfigError: bad arguments, a study with several objectives, or Optuna missing; before
