@@ -107,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Enough slots for the trials that run at once (a cluster's own come from --master or spark-submit).
     spark = _common.session(args, "sparkdl-tune-digits", slots=args.num_workers * args.concurrent)
     try:
-        if not _has_dataset(data):
+        import train as train_job
+
+        if not train_job.has_dataset(data):
             import etl
 
             print(f"no dataset at {data}/train: running the ETL job (jobs/etl.py) first")
@@ -137,16 +139,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"best: trial {best.number}, held-out error {best.value:.4f} with {best.params}; "
           f"study in {study_dir / 'study.journal'}")
     return 0
-
-
-def _has_dataset(data: str) -> bool:
-    import sparkdl
-
-    try:
-        sparkdl.Dataset(f"{data}/train")
-    except sparkdl.SparkDLError:
-        return False
-    return True
 
 
 if __name__ == "__main__":
