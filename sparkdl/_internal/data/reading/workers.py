@@ -1,0 +1,334 @@
+"""Loader workers (``ds.loader(..., workers=N)``): the loader's work in child processes.
+
+Reading and decoding row groups, the shuffle, cutting and collating batches, per-sample decoding
+(``decode=``) and the user's ``transform`` run in ``N`` forked processes, so that none of it takes
+the training process's GIL. The training process only maps finished batches.
+
+**Order.** An epoch's share is read in units (shuffle windows, or about a row group without
+shuffle), each a whole number of batches. Worker ``i`` plays units ``i, i + N, i + 2N, ...`` of
+every epoch from the loader's position on (:meth:`Reading.__call__` with ``part``), and the
+training process takes each batch from the worker whose unit it belongs to
+(:meth:`Reading.unit_batches` counts them). Every worker computes its units from the plan as the
+thread path does, so the rows, their order and the resume position are the thread path's, for
+any ``N``.
+
+**Shared memory.** A worker copies each finished batch's tensors into a slot: an anonymous
+``memfd`` it created and handed to the training process once, over their socket (no file in
+``/dev/shm``, so nothing is left behind however either side ends). Only a small header (offsets,
+dtypes, shapes; strings and bytes columns as values) is pickled. The training process's tensors
+are views of the slot, not copies; when the last tensor of a batch is let go, its slot goes back
+to the worker for a later batch, so a few slots serve the whole run, and a loop that keeps its
+batches makes the worker map new slots rather than wait. ``prefetch`` bounds the batches the
+workers have ready ahead of the loop.
+
+**Lifetime.** Workers are children of the rank: forked when an iteration starts (and kept for
+the epochs after it, like the prefetch thread), ended by :meth:`Workers.close` (``break``, a new
+position, ``loader.close()``, the loader dropped), each wait bounded. A worker forked by the main
+thread gets ``PR_SET_PDEATHSIG`` (SIGKILL when the rank dies, even by SIGKILL); every worker also
+checks its parent between batches. An error in a worker reaches the loop as itself (a
+:class:`~sparkdl.DatasetError` naming the column, as on threads); a worker that dies is named
+with its exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sparkdl._internal.common.errors import DatasetError
+from sparkdl._internal.data.reading.prefetch import END, DeviceCopy, Failure, Item
+from sparkdl._internal.data.reading.read import Batch, pin_batch
+
+if TYPE_CHECKING:
+    from sparkdl._internal.data.decoding.samples import Skipped
+    from sparkdl._internal.data.reading.reshard import Reading
+
+_ALIGN = 64  # every tensor of a slot starts on a cache line (and any dtype's alignment)
+_POLL_S = 0.1  # how often a waiting side looks at its peer's life and the stop flag
+_PR_SET_PDEATHSIG = 1
+
+
+class _Slots:
+    """A worker's slots: memfd mappings, each handed to the training process once by its number."""
+
+    def __init__(self, conn: Connection, parent: int) -> None:
+        self._conn, self._parent = conn, parent
+        self._maps: dict[int, mmap.mmap] = {}
+        self._free: list[int] = []
+        self._next = 0
+
+    def pack(self, batch: Any) -> tuple[Any, ...]:
+        """The batch's tensors copied into a free slot; the header that rebuilds it."""
+        import torch
+
+        if not isinstance(batch, dict):
+            return ("batch", -1, batch)  # a transform's own type: pickled whole
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"}
+        layout: dict[str, Any] = {}
+        at = 0
+        for k, v in tensors.items():
+            layout[k] = (at, str(v.dtype).removeprefix("torch."), tuple(v.shape))
+            at += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
+        slot = self._take(at)
+        buf = np.frombuffer(self._maps[slot], dtype=np.uint8, count=at) if at else None
+        for k, v in tensors.items():
+            offset, _, shape = layout[k]
+            n = v.numel() * v.element_size()
+            if n:
+                torch.from_numpy(buf[offset : offset + n]).view(v.dtype).view(shape).copy_(v)  # type: ignore[index]
+        del buf
+        rest = {k: v for k, v in batch.items() if k not in tensors}
+        return ("batch", slot, (layout, rest, list(batch)))
+
+    def _take(self, nbytes: int) -> int:
+        while self._conn.poll(0):  # slots the training process let go
+            message = self._conn.recv()
+            if message[0] == "free":
+                self._free.append(message[1])
+        fits = sorted((len(self._maps[s]), s) for s in self._free if len(self._maps[s]) >= max(nbytes, 1))
+        if fits:
+            self._free.remove(fits[0][1])
+            return fits[0][1]
+        if len(self._free) > 2:  # slots too small for today's batches: let the smallest go
+            small = min(self._free, key=lambda s: len(self._maps[s]))
+            self._free.remove(small)
+            self._maps.pop(small).close()
+            self._conn.send(("drop", small))
+        size = max(mmap.PAGESIZE, -(-int(nbytes * 1.25) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        fd = os.memfd_create(f"sparkdl-loader-{self._next}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            self._maps[self._next] = mmap.mmap(fd, size)
+            self._conn.send(("slot", self._next, size))
+            send_handle(self._conn, fd, self._parent)
+        finally:
+            os.close(fd)
+        self._next += 1
+        return self._next - 1
+
+
+def _die_with_parent(parent: int, by_main_thread: bool) -> None:
+    """SIGKILL when the parent dies (Linux); only for a fork by the main thread, since the signal
+    follows the forking thread's life, not the process's."""
+    if by_main_thread:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the signal was set
+        os._exit(1)
+
+
+def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: Connection, ready: Any,
+          stop: Any, parent: int, by_main_thread: bool, skipped: Skipped | None) -> None:
+    """A worker: its units' batches, epoch after epoch, into slots, until stopped or orphaned."""
+    _die_with_parent(parent, by_main_thread)
+    import torch
+
+    torch.set_num_threads(1)  # a process of its own, as torch's DataLoader workers
+    slots = _Slots(conn, parent)
+    told = (skipped.count, len(skipped.examples)) if skipped is not None else (0, 0)
+    try:
+        while True:
+            batches, given = source(epoch, step, part), 0
+            try:
+                for batch in batches:
+                    given += 1
+                    message = slots.pack(batch)
+                    while not ready.acquire(timeout=_POLL_S):  # at most `prefetch` ahead of the loop
+                        if stop.is_set() or os.getppid() != parent:
+                            return
+                    if skipped is not None and (skipped.count, len(skipped.examples)) != told:
+                        message += (skipped.count - told[0], skipped.examples[told[1] :])
+                        told = (skipped.count, len(skipped.examples))
+                    conn.send(message)
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
+            if not given and step == 0:
+                return  # more workers than units: this one has none in any epoch
+            epoch, step = epoch + 1, 0
+    except BaseException as exc:  # handed to the training process, which raises it
+        with contextlib.suppress(Exception):
+            try:
+                conn.send(("failure", pickle.dumps(exc)))
+            except Exception:
+                conn.send(("failure", pickle.dumps(DatasetError(f"{type(exc).__name__}: {exc}"))))
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+class Workers:
+    """``workers`` processes playing ``source`` from ``(epoch, step)`` on, epoch after epoch; the
+    training process's side. ``get()`` gives the next item as :class:`~sparkdl._internal.data.reading.prefetch.Pump`
+    does (a batch, the end of an epoch, or a failure), pinned with ``pin``, copied with ``copy``.
+    ``skipped``: where the workers' bad samples are counted (``on_bad_sample="skip"``)."""
+
+    JOIN_S = 2.0
+    """How long :meth:`close` lets the workers end on their own before it kills them."""
+
+    def __init__(self, source: Reading, epoch: int, step: int, *, workers: int, prefetch: int, pin: bool,
+                 copy: DeviceCopy | None, skipped: Skipped | None) -> None:
+        context = multiprocessing.get_context("fork")
+        self._source, self._copy, self._pin, self._skipped = source, copy, pin, skipped
+        self._stop = context.Event()
+        self._freed: deque[tuple[int, int]] = deque()  # (worker, slot) let go by the loop's tensors
+        self._maps: list[dict[int, mmap.mmap]] = [{} for _ in range(workers)]
+        self._conns: list[Connection] = []
+        self._ready: list[Any] = []
+        self._procs: list[Any] = []
+        self._closed = False
+        by_main = threading.current_thread() is threading.main_thread()
+        ahead = max(1, -(-prefetch // workers))
+        for i in range(workers):
+            mine, theirs = context.Pipe(duplex=True)
+            ready = context.Semaphore(ahead)
+            proc = context.Process(
+                target=_work, name=f"sparkdl-loader-{i}", daemon=True,
+                args=(source, (i, workers), epoch, step, theirs, ready, self._stop, os.getpid(), by_main, skipped))
+            proc.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._ready.append(ready)
+            self._procs.append(proc)
+        self._order = self._schedule(epoch, step, workers)
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids."""
+        return [p.pid for p in self._procs]
+
+    def _schedule(self, epoch: int, step: int, workers: int) -> Iterator[int | None]:
+        """The worker of each batch in turn, None at each epoch's end."""
+        while True:
+            for j, count in enumerate(self._source.unit_batches(epoch, step)):
+                for _ in range(count):
+                    yield j % workers
+            yield None
+            epoch, step = epoch + 1, 0
+
+    def get(self) -> Item:
+        if self._closed:
+            return Failure(DatasetError("the loader's workers were closed"))
+        w = next(self._order)
+        if w is None:
+            return END
+        try:
+            batch = self._receive(w)
+        except BaseException as exc:
+            return Failure(exc)
+        if batch is None:
+            code = self._procs[w].exitcode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            return Failure(DatasetError(f"the loader's worker process {w} (pid {self._procs[w].pid}) {how} "
+                                         "before it handed over its batch; its output (stderr) says why"))
+        if self._pin:
+            pin_batch(batch)
+        return self._copy.start(batch) if self._copy is not None else batch
+
+    def _receive(self, w: int) -> Batch | None:
+        """The next batch from worker ``w``: None when it died; its error raised."""
+        self._give_back()
+        conn, proc = self._conns[w], self._procs[w]
+        while True:
+            # Bounded by the worker's life: it sends a batch or its error, or it ends.
+            while not conn.poll(_POLL_S):
+                if not proc.is_alive() and not conn.poll(0):
+                    return None
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return None
+            kind = message[0]
+            if kind == "slot":
+                _, slot, size = message
+                fd = recv_handle(conn)
+                try:
+                    self._maps[w][slot] = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+            elif kind == "drop":
+                self._maps[w].pop(message[1], None)
+            elif kind == "failure":
+                raise pickle.loads(message[1])
+            else:
+                self._ready[w].release()
+                if len(message) > 3 and self._skipped is not None:
+                    self._skipped.merge(message[3], message[4])
+                return self._unpack(w, message[1], message[2])
+
+    def _unpack(self, w: int, slot: int, body: Any) -> Batch:
+        import torch
+
+        if slot < 0:
+            return body  # a transform's own type, pickled whole
+        layout, rest, keys = body
+        end = max((offset + int(np.prod(shape)) * _itemsize(dtype) for offset, dtype, shape in layout.values()), default=0)
+        # One array over the slot that every tensor views; when the last tensor goes, so does it,
+        # and the slot goes back to its worker.
+        whole = np.frombuffer(self._maps[w][slot], dtype=np.uint8, count=end)
+        weakref.finalize(whole, self._freed.append, (w, slot))
+        out: Batch = {}
+        for k in keys:
+            if k in layout:
+                offset, dtype, shape = layout[k]
+                n = int(np.prod(shape)) * _itemsize(dtype)
+                out[k] = torch.from_numpy(whole[offset : offset + n]).view(getattr(torch, dtype)).view(shape)
+            else:
+                out[k] = rest[k]
+        return out
+
+    def _give_back(self) -> None:
+        while self._freed:
+            w, slot = self._freed.popleft()
+            if not self._closed:
+                with contextlib.suppress(OSError, ValueError):
+                    self._conns[w].send(("free", slot))
+
+    def close(self) -> None:
+        """Ends the workers (killed if they do not end within ``JOIN_S``) and lets their slots go
+        once the loop's tensors do."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for conn in self._conns:
+            conn.close()
+        deadline = time.monotonic() + self.JOIN_S
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(self.JOIN_S)
+        for proc in self._procs:
+            with contextlib.suppress(ValueError):
+                proc.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return int(getattr(torch, dtype).itemsize)
+
+
+__all__ = ["Workers"]
