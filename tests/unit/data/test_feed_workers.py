@@ -105,6 +105,24 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(ds: Dataset, workers: int
             assert [b["id"].tolist() for b in fresh] == nxt
 
 
+def _squares(batch: dict[str, Any]) -> dict[str, Any]:
+    # Module-level, as a user's transform usually is; it runs in the workers.
+    return {"sq": batch["id"] ** 2, "half": batch["x"][:, ::2], "tag": [t.upper() for t in batch["text"]],
+            "pid": torch.tensor(os.getpid())}
+
+
+def test_transform_and_to_device_run_as_on_threads(ds: Dataset) -> None:
+    kwargs: dict[str, Any] = dict(rank=0, world_size=1, seed=4, transform=_squares, to_device=True, device="cpu")
+    threads = list(ds.loader(100, **kwargs))
+    loader = ds.loader(100, workers=2, **kwargs)
+    with loader:
+        procs = list(loader)
+    assert len(procs) == len(threads)
+    for a, b in zip(threads, procs, strict=True):
+        assert torch.equal(a["sq"], b["sq"]) and torch.equal(a["half"], b["half"]) and a["tag"] == b["tag"]
+        assert int(b["pid"]) != os.getpid()  # the transform ran in a worker
+
+
 def test_resume_at_another_world_size(ds: Dataset) -> None:
     kwargs: dict[str, Any] = dict(seed=2, shuffle_window=256, columns=["id"])
     old = ds.loader(40, rank=0, world_size=3, **kwargs)

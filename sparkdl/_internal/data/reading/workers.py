@@ -69,6 +69,7 @@ class _Slots:
     def __init__(self, conn: Connection, parent: int) -> None:
         self._conn, self._parent = conn, parent
         self._maps: dict[int, mmap.mmap] = {}
+        self._views: dict[int, Any] = {}  # a uint8 tensor over each slot, to copy batches into
         self._free: list[int] = []
         self._next = 0
 
@@ -78,21 +79,20 @@ class _Slots:
 
         if not isinstance(batch, dict):
             return ("batch", -1, batch)  # a transform's own type: pickled whole
-        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu"}
-        layout: dict[str, Any] = {}
+        layout: dict[str, tuple[int, int, str, tuple[int, ...]]] = {}
         at = 0
-        for k, v in tensors.items():
-            layout[k] = (at, str(v.dtype).removeprefix("torch."), tuple(v.shape))
-            at += -(-v.numel() * v.element_size() // _ALIGN) * _ALIGN
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                n = v.numel() * v.element_size()
+                layout[k] = (at, n, str(v.dtype)[6:], tuple(v.shape))  # "torch.float32" -> "float32"
+                at += -(-n // _ALIGN) * _ALIGN
         slot = self._take(at)
-        buf = np.frombuffer(self._maps[slot], dtype=np.uint8, count=at) if at else None
-        for k, v in tensors.items():
-            offset, _, shape = layout[k]
-            n = v.numel() * v.element_size()
+        whole = self._views[slot]
+        for k, (offset, n, _, shape) in layout.items():
             if n:
-                torch.from_numpy(buf[offset : offset + n]).view(v.dtype).view(shape).copy_(v)  # type: ignore[index]
-        del buf
-        rest = {k: v for k, v in batch.items() if k not in tensors}
+                v = batch[k]
+                whole[offset : offset + n].view(v.dtype).view(shape).copy_(v)
+        rest = {k: v for k, v in batch.items() if k not in layout}
         return ("batch", slot, (layout, rest, list(batch)))
 
     def _take(self, nbytes: int) -> int:
@@ -100,20 +100,25 @@ class _Slots:
             message = self._conn.recv()
             if message[0] == "free":
                 self._free.append(message[1])
-        fits = sorted((len(self._maps[s]), s) for s in self._free if len(self._maps[s]) >= max(nbytes, 1))
+        fits = [s for s in self._free if len(self._maps[s]) >= nbytes]
         if fits:
-            self._free.remove(fits[0][1])
-            return fits[0][1]
+            slot = min(fits, key=lambda s: len(self._maps[s]))
+            self._free.remove(slot)
+            return slot
         if len(self._free) > 2:  # slots too small for today's batches: let the smallest go
             small = min(self._free, key=lambda s: len(self._maps[s]))
             self._free.remove(small)
+            del self._views[small]
             self._maps.pop(small).close()
             self._conn.send(("drop", small))
         size = max(mmap.PAGESIZE, -(-int(nbytes * 1.25) // mmap.PAGESIZE) * mmap.PAGESIZE)
         fd = os.memfd_create(f"sparkdl-loader-{self._next}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
+            import torch
+
             self._maps[self._next] = mmap.mmap(fd, size)
+            self._views[self._next] = torch.frombuffer(self._maps[self._next], dtype=torch.uint8)
             self._conn.send(("slot", self._next, size))
             send_handle(self._conn, fd, self._parent)
         finally:
@@ -276,9 +281,9 @@ class Workers:
         import torch
 
         if slot < 0:
-            return body  # a transform's own type, pickled whole
+            return body  # a transform's own type, as pickled
         layout, rest, keys = body
-        end = max((offset + int(np.prod(shape)) * _itemsize(dtype) for offset, dtype, shape in layout.values()), default=0)
+        end = max((offset + n for offset, n, _, _ in layout.values()), default=0)
         # One array over the slot that every tensor views; when the last tensor goes, so does it,
         # and the slot goes back to its worker.
         whole = np.frombuffer(self._maps[w][slot], dtype=np.uint8, count=end)
@@ -286,8 +291,7 @@ class Workers:
         out: Batch = {}
         for k in keys:
             if k in layout:
-                offset, dtype, shape = layout[k]
-                n = int(np.prod(shape)) * _itemsize(dtype)
+                offset, n, dtype, shape = layout[k]
                 out[k] = torch.from_numpy(whole[offset : offset + n]).view(getattr(torch, dtype)).view(shape)
             else:
                 out[k] = rest[k]
@@ -323,12 +327,6 @@ class Workers:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return int(getattr(torch, dtype).itemsize)
 
 
 __all__ = ["Workers"]
