@@ -108,7 +108,8 @@ class Loader:
     two windows (the one being served and the one being read ahead; their arrays are reused for
     the next windows and epochs, and kept between epochs until :meth:`close`) plus one row group
     per decode thread (``read_threads``) and ``prefetch`` batches (on the device, with ``to_device``). Without shuffle, about two row
-    groups' worth is held.
+    groups' worth is held. With ``workers=N``, each worker process holds its own two windows
+    (:mod:`~sparkdl._internal.data.reading.workers`: same batches, order and state as threads).
 
     Resume: :meth:`state_dict` records the epoch and the batches yielded in it, the same on every
     rank, so rank 0's state restores every rank, at this world size or another (module docstring).

@@ -137,8 +137,21 @@ def _die_with_parent(parent: int, by_main_thread: bool) -> None:
         os._exit(1)
 
 
-def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: Connection, ready: Any,
-          stop: Any, parent: int, by_main_thread: bool, skipped: Skipped | None) -> None:
+def _wait_for_room(taken: Any, i: int, sent: int, ahead: int, stop: Any, parent: int) -> bool:
+    """Waits until fewer than ``ahead`` of worker ``i``'s batches are untaken; False when told to
+    stop or orphaned. It polls, backing off to ``_POLL_S``: a loop slow enough to let a worker
+    wait has ``ahead`` batches ready, so a late look costs nothing, and the loop never signals."""
+    pause = 0.0002
+    while sent - taken[i] >= ahead:
+        if stop.is_set() or os.getppid() != parent:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_S)
+    return True
+
+
+def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: Connection, taken: Any,
+          ahead: int, stop: Any, parent: int, by_main_thread: bool, skipped: Skipped | None) -> None:
     """A worker: its units' batches, epoch after epoch, into slots, until stopped or orphaned."""
     _die_with_parent(parent, by_main_thread)
     import torch
@@ -150,7 +163,7 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
     # (its arena held 85 MiB in a worker here, against 20-30 MiB more than the thread path's
     # with the system allocator, which gives large blocks back at once).
     pa.set_memory_pool(pa.system_memory_pool())
-    slots = _Slots(conn, parent)
+    slots, sent = _Slots(conn, parent), 0
     told = (skipped.count, len(skipped.examples)) if skipped is not None else (0, 0)
     try:
         while True:
@@ -159,9 +172,9 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
                 for batch in batches:
                     given += 1
                     message = slots.pack(batch)
-                    while not ready.acquire(timeout=_POLL_S):  # at most `prefetch` ahead of the loop
-                        if stop.is_set() or os.getppid() != parent:
-                            return
+                    if not _wait_for_room(taken, part[0], sent, ahead, stop, parent):
+                        return
+                    sent += 1
                     if skipped is not None and (skipped.count, len(skipped.examples)) != told:
                         message += (skipped.count - told[0], skipped.examples[told[1] :])
                         told = (skipped.count, len(skipped.examples))
@@ -201,21 +214,22 @@ class Workers:
         self._freed: deque[tuple[int, int]] = deque()  # (worker, slot) let go by the loop's tensors
         self._maps: list[dict[int, mmap.mmap]] = [{} for _ in range(workers)]
         self._conns: list[Connection] = []
-        self._ready: list[Any] = []
+        # Batches each worker handed over that the loop took: written here, read by the worker,
+        # in shared memory, so that taking a batch costs the loop no system call and no wake-up.
+        self._taken = context.RawArray(ctypes.c_int64, workers)
         self._procs: list[Any] = []
         self._closed = False
         by_main = threading.current_thread() is threading.main_thread()
         ahead = max(1, -(-prefetch // workers))
         for i in range(workers):
             mine, theirs = context.Pipe(duplex=True)
-            ready = context.Semaphore(ahead)
             proc = context.Process(
                 target=_work, name=f"sparkdl-loader-{i}", daemon=True,
-                args=(source, (i, workers), epoch, step, theirs, ready, self._stop, os.getpid(), by_main, skipped))
+                args=(source, (i, workers), epoch, step, theirs, self._taken, ahead, self._stop, os.getpid(), by_main,
+                      skipped))
             proc.start()
             theirs.close()
             self._conns.append(mine)
-            self._ready.append(ready)
             self._procs.append(proc)
         self._order = self._schedule(epoch, step, workers)
 
@@ -244,6 +258,7 @@ class Workers:
         except BaseException as exc:
             return Failure(exc)
         if batch is None:
+            self._procs[w].join(self.JOIN_S)  # its socket closed: its exit code comes at once
             code = self._procs[w].exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
             return Failure(DatasetError(f"the loader's worker process {w} (pid {self._procs[w].pid}) {how} "
@@ -278,7 +293,7 @@ class Workers:
             elif kind == "failure":
                 raise pickle.loads(message[1])
             else:
-                self._ready[w].release()
+                self._taken[w] += 1
                 if len(message) > 3 and self._skipped is not None:
                     self._skipped.merge(message[3], message[4])
                 return self._unpack(w, message[1], message[2])
