@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -61,13 +63,56 @@ if TYPE_CHECKING:
 _ALIGN = 64  # every tensor of a slot starts on a cache line (and any dtype's alignment)
 _POLL_S = 0.1  # how often a waiting side looks at its peer's life and the stop flag
 _PR_SET_PDEATHSIG = 1
+_NUMPY = {name: np.dtype(name) for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
+                                             "float64", "complex64", "complex128")}
+"""torch dtypes (by name) that numpy has too."""
+
+
+class _Returns:
+    """Slots the loop let go, on their way back to one worker: a ring of slot numbers in shared
+    memory, under a lock neither side holds for more than a few stores. Unlike a message, this
+    costs the training process no system call and wakes nobody (a wake-up between processes
+    cost 30-60 us of the loop's CPU per batch here, more than the rest of a hand-over)."""
+
+    SIZE = 256
+
+    def __init__(self, context: Any) -> None:
+        self._ring = context.RawArray(ctypes.c_int64, self.SIZE)
+        self._counts = context.RawArray(ctypes.c_int64, 2)  # slots written, slots read
+        self._lock = context.Lock()
+
+    def put(self, slots: list[int]) -> list[int]:
+        """Puts in what fits; gives back the rest (then sent as a message)."""
+        if not self._lock.acquire(timeout=_POLL_S):  # its worker died holding it
+            return slots
+        try:
+            written, read = self._counts[0], self._counts[1]
+            room = self.SIZE - (written - read)
+            for slot in slots[:room]:
+                self._ring[written % self.SIZE] = slot
+                written += 1
+            self._counts[0] = written
+        finally:
+            self._lock.release()
+        return slots[room:]
+
+    def take(self) -> list[int]:
+        """The slots put in since the last take."""
+        if not self._lock.acquire(timeout=_POLL_S):
+            return []
+        try:
+            written, read = self._counts[0], self._counts[1]
+            self._counts[1] = written
+            return [self._ring[i % self.SIZE] for i in range(read, written)]
+        finally:
+            self._lock.release()
 
 
 class _Slots:
     """A worker's slots: memfd mappings, each handed to the training process once by its number."""
 
-    def __init__(self, conn: Connection, parent: int) -> None:
-        self._conn, self._parent = conn, parent
+    def __init__(self, conn: Connection, parent: int, returns: _Returns, keep: int) -> None:
+        self._conn, self._parent, self._returns, self._keep = conn, parent, returns, keep
         self._maps: dict[int, mmap.mmap] = {}
         self._views: dict[int, Any] = {}  # a uint8 tensor over each slot, to copy batches into
         self._free: list[int] = []
@@ -96,21 +141,22 @@ class _Slots:
         return ("batch", slot, (layout, rest, list(batch)))
 
     def _take(self, nbytes: int) -> int:
-        while self._conn.poll(0):  # slots the training process let go
+        self._free.extend(self._returns.take())  # slots the training process let go
+        while self._conn.poll(0):  # more of them, when the ring was full
             message = self._conn.recv()
             if message[0] == "free":
-                self._free.append(message[1])
+                self._free.extend(message[1])
+        # Slots beyond the few that keep the loop fed (a loop that held many batches let them
+        # go) are unmapped: their memory goes back, as the thread path's batches' would.
+        while len(self._free) > self._keep:
+            self._drop(min(self._free, key=lambda s: len(self._maps[s])))
         fits = [s for s in self._free if len(self._maps[s]) >= nbytes]
         if fits:
             slot = min(fits, key=lambda s: len(self._maps[s]))
             self._free.remove(slot)
             return slot
         if len(self._free) > 2:  # slots too small for today's batches: let the smallest go
-            small = min(self._free, key=lambda s: len(self._maps[s]))
-            self._free.remove(small)
-            del self._views[small]
-            self._maps.pop(small).close()
-            self._conn.send(("drop", small))
+            self._drop(min(self._free, key=lambda s: len(self._maps[s])))
         size = max(mmap.PAGESIZE, -(-int(nbytes * 1.25) // mmap.PAGESIZE) * mmap.PAGESIZE)
         fd = os.memfd_create(f"sparkdl-loader-{self._next}", os.MFD_CLOEXEC)
         try:
@@ -125,6 +171,18 @@ class _Slots:
             os.close(fd)
         self._next += 1
         return self._next - 1
+
+    def _drop(self, slot: int) -> None:
+        self._free.remove(slot)
+        del self._views[slot]
+        self._maps.pop(slot).close()
+        self._conn.send(("drop", slot))
+
+
+def _released(freed: deque[tuple[int, int]], watched: dict[tuple[int, int], Any], key: tuple[int, int], _: Any) -> None:
+    """A batch's tensors are gone: its slot goes back (a weakref callback; it holds no Workers)."""
+    watched.pop(key, None)
+    freed.append(key)
 
 
 def _die_with_parent(parent: int, by_main_thread: bool) -> None:
@@ -151,7 +209,7 @@ def _wait_for_room(taken: Any, i: int, sent: int, ahead: int, stop: Any, parent:
 
 
 def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: Connection, taken: Any,
-          ahead: int, stop: Any, parent: int, by_main_thread: bool, skipped: Skipped | None) -> None:
+          returns: _Returns, ahead: int, stop: Any, parent: int, by_main_thread: bool, skipped: Skipped | None) -> None:
     """A worker: its units' batches, epoch after epoch, into slots, until stopped or orphaned."""
     _die_with_parent(parent, by_main_thread)
     import torch
@@ -163,7 +221,7 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
     # (its arena held 85 MiB in a worker here, against 20-30 MiB more than the thread path's
     # with the system allocator, which gives large blocks back at once).
     pa.set_memory_pool(pa.system_memory_pool())
-    slots, sent = _Slots(conn, parent), 0
+    slots, sent = _Slots(conn, parent, returns, keep=ahead + 2), 0
     told = (skipped.count, len(skipped.examples)) if skipped is not None else (0, 0)
     try:
         while True:
@@ -212,11 +270,14 @@ class Workers:
         self._source, self._copy, self._pin, self._skipped = source, copy, pin, skipped
         self._stop = context.Event()
         self._freed: deque[tuple[int, int]] = deque()  # (worker, slot) let go by the loop's tensors
+        self._watched: dict[tuple[int, int], weakref.ref[np.ndarray]] = {}  # slots the loop holds
+        self._polls: list[select.poll] = []
         self._maps: list[dict[int, mmap.mmap]] = [{} for _ in range(workers)]
         self._conns: list[Connection] = []
         # Batches each worker handed over that the loop took: written here, read by the worker,
         # in shared memory, so that taking a batch costs the loop no system call and no wake-up.
         self._taken = context.RawArray(ctypes.c_int64, workers)
+        self._returns = [_Returns(context) for _ in range(workers)]
         self._procs: list[Any] = []
         self._closed = False
         by_main = threading.current_thread() is threading.main_thread()
@@ -225,11 +286,13 @@ class Workers:
             mine, theirs = context.Pipe(duplex=True)
             proc = context.Process(
                 target=_work, name=f"sparkdl-loader-{i}", daemon=True,
-                args=(source, (i, workers), epoch, step, theirs, self._taken, ahead, self._stop, os.getpid(), by_main,
+                args=(source, (i, workers), epoch, step, theirs, self._taken, self._returns[i], ahead, self._stop, os.getpid(), by_main,
                       skipped))
             proc.start()
             theirs.close()
             self._conns.append(mine)
+            self._polls.append(select.poll())
+            self._polls[-1].register(mine.fileno(), select.POLLIN)
             self._procs.append(proc)
         self._order = self._schedule(epoch, step, workers)
 
@@ -273,7 +336,8 @@ class Workers:
         conn, proc = self._conns[w], self._procs[w]
         while True:
             # Bounded by the worker's life: it sends a batch or its error, or it ends.
-            while not conn.poll(_POLL_S):
+            # One poll object per worker, kept: Connection.poll builds a selector each call.
+            while not self._polls[w].poll(0) and not self._polls[w].poll(_POLL_S * 1000):
                 if not proc.is_alive() and not conn.poll(0):
                     return None
             try:
@@ -308,22 +372,30 @@ class Workers:
         # One array over the slot that every tensor views; when the last tensor goes, so does it,
         # and the slot goes back to its worker.
         whole = np.frombuffer(self._maps[w][slot], dtype=np.uint8, count=end)
-        weakref.finalize(whole, self._freed.append, (w, slot))
+        self._watched[(w, slot)] = weakref.ref(whole, functools.partial(_released, self._freed, self._watched, (w, slot)))
         out: Batch = {}
         for k in keys:
             if k in layout:
                 offset, n, dtype, shape = layout[k]
-                out[k] = torch.from_numpy(whole[offset : offset + n]).view(getattr(torch, dtype)).view(shape)
+                part = whole[offset : offset + n]
+                if dtype in _NUMPY:  # one numpy view, then one torch call: the cheaper way
+                    out[k] = torch.from_numpy(part.view(_NUMPY[dtype]).reshape(shape))
+                else:  # bfloat16 and the like, which numpy lacks
+                    out[k] = torch.from_numpy(part).view(getattr(torch, dtype)).view(shape)
             else:
                 out[k] = rest[k]
         return out
 
     def _give_back(self) -> None:
+        freed: dict[int, list[int]] = {}
         while self._freed:
             w, slot = self._freed.popleft()
-            if not self._closed:
+            freed.setdefault(w, []).append(slot)
+        for w, slots in freed.items():
+            rest = self._returns[w].put(slots) if not self._closed else []
+            if rest:
                 with contextlib.suppress(OSError, ValueError):
-                    self._conns[w].send(("free", slot))
+                    self._conns[w].send(("free", rest))
 
     def close(self) -> None:
         """Ends the workers (killed if they do not end within ``JOIN_S``) and lets their slots go
