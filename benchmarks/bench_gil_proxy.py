@@ -1,6 +1,6 @@
 """The loader in worker processes (``workers=N``) against its threads (``workers=0``), in one run.
 
-    .venv/bin/python benchmarks/bench_gil_proxy.py [--rows 2000000] [--workers 1 2] [--epochs 3]
+    .venv/bin/python benchmarks/bench_gil_proxy.py [--rows 2000000] [--workers 1 2] [--epochs 3] [--proxy-runs 2]
 
 It writes bench_feed.py's data (an int64 label and a list of 32 float32, 8 files, 50,000-row row
 groups) and measures, each contender in a fresh process of its own:
@@ -134,6 +134,12 @@ def spin(iterations: int) -> int:
     return total
 
 
+def _timed(fn: Any, arg: int) -> float:
+    t0 = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - t0
+
+
 def proxy(workers: int, data: Path, batch_size: int, epochs: int, step: int, sleep_s: float) -> dict[str, Any]:
     """The loop with the loader: ``spin(step)`` per batch (or ``time.sleep(sleep_s)`` when step is 0)."""
     loader = _loader(data, batch_size, True, workers)
@@ -176,6 +182,7 @@ def main() -> None:
     parser.add_argument("--proxy-batch-size", type=int, default=4096)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--proxy-runs", type=int, default=2, help="rounds of the proxy loops (threads, then each workers=N)")
     parser.add_argument("--dir", default=None, help="where to write the data (default: a temp dir, removed after)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one measurement, in this process
     args = parser.parse_args()
@@ -221,27 +228,24 @@ def main() -> None:
         loader_rate = alone["median"] / b  # batches/s of the thread loader alone
         step_s = 1 / (WORKLOAD_SHARE * loader_rate)
         n = 200_000
-        t0 = time.perf_counter()
-        spin(n)
-        per_iter = (time.perf_counter() - t0) / n
+        per_iter = min(_timed(spin, n) for _ in range(7)) / n  # the fastest of 7: the machine's own speed
         step = max(1, int(step_s / per_iter))
-        t0 = time.perf_counter()
-        for _ in range(20):
-            spin(step)
+        alone_s = sorted(_timed(spin, step) for _ in range(21))[10]
         print(f"\n2. GIL-bound proxy, batch {b}, shuffle, {args.epochs} epochs: the thread loader alone gives "
               f"{loader_rate:.0f} batches/s; the step, {step} iterations of Python, takes "
-              f"{(time.perf_counter() - t0) / 20 * 1e3:.2f} ms alone ({WORKLOAD_SHARE:.0%} of the loader's rate, "
+              f"{alone_s * 1e3:.2f} ms alone (median of 21) ({WORKLOAD_SHARE:.0%} of the loader's rate, "
               f"{WORKLOAD_SHARE * loader_rate:.0f} steps/s)")
         for label, spin_step, sleep_s in (("GIL-holding step", step, 0.0), ("time.sleep step", 0, step_s)):
-            runs = {}
-            for w in [0, *args.workers]:
-                runs[w] = _in_process(args, data, {"kind": "proxy", "workers": w, "batch_size": b,
-                                                   "epochs": args.epochs, "step": spin_step, "sleep_s": sleep_s})
-            for w, r in runs.items():
-                kind = "threads" if w == 0 else f"workers={w}"
-                ratio = "" if w == 0 else f"  {r['steps_s'] / runs[0]['steps_s']:.2f}x threads' steps/s"
-                print(f"  {label:<17} {kind:<10} data wait {r['wait_pct']:5.1f}%  {r['steps_s']:6.1f} steps/s{ratio}",
-                      flush=True)
+            for run in range(args.proxy_runs):  # threads and workers in turn, so that both see the same machine
+                runs = {}
+                for w in [0, *args.workers]:
+                    runs[w] = _in_process(args, data, {"kind": "proxy", "workers": w, "batch_size": b,
+                                                       "epochs": args.epochs, "step": spin_step, "sleep_s": sleep_s})
+                for w, r in runs.items():
+                    kind = "threads" if w == 0 else f"workers={w}"
+                    ratio = "" if w == 0 else f"  {r['steps_s'] / runs[0]['steps_s']:.2f}x threads' steps/s"
+                    print(f"  {label:<17} run {run + 1} {kind:<10} data wait {r['wait_pct']:5.1f}%  "
+                          f"{r['steps_s']:6.1f} steps/s{ratio}", flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(tmp, ignore_errors=True)
