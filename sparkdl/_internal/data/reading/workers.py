@@ -80,7 +80,7 @@ class _Returns:
 
     def __init__(self, context: Any) -> None:
         self._ring = context.RawArray(ctypes.c_int64, self.SIZE)
-        self._counts = context.RawArray(ctypes.c_int64, 2)  # slots written, slots read
+        self._counts = context.RawArray(ctypes.c_int64, 3)  # slots written, slots read, messages sent
         self._lock = context.Lock()
 
     def put(self, slots: list[int]) -> list[int]:
@@ -97,6 +97,14 @@ class _Returns:
         finally:
             self._lock.release()
         return slots[room:]
+
+    def sent_by_message(self) -> None:
+        """Counts a message of slots that did not fit, for :meth:`messages` to tell."""
+        self._counts[2] += 1  # only the training process writes it
+
+    def messages(self) -> int:
+        """Messages of slots sent so far (the worker reads its socket when this grows)."""
+        return int(self._counts[2])
 
     def take(self) -> list[int]:
         """The slots put in since the last take."""
@@ -115,6 +123,7 @@ class _Slots:
 
     def __init__(self, conn: Connection, parent: int, returns: _Returns, keep: int) -> None:
         self._conn, self._parent, self._returns, self._keep = conn, parent, returns, keep
+        self._messages = 0  # of slots, read from the socket
         self._maps: dict[int, mmap.mmap] = {}
         self._views: dict[int, Any] = {}  # a uint8 tensor over each slot, to copy batches into
         self._free: list[int] = []
@@ -144,11 +153,12 @@ class _Slots:
 
     def _take(self, nbytes: int) -> int:
         self._free.extend(self._returns.take())  # slots the training process let go
-        if not self._free:  # more of them come by message when the ring was full (a system call)
+        if self._returns.messages() != self._messages:  # more of them, sent when the ring was full
             while self._conn.poll(0):
                 message = self._conn.recv()
                 if message[0] == "free":
                     self._free.extend(message[1])
+                    self._messages += 1
         # Slots beyond the few that keep the loop fed (a loop that held many batches let them
         # go) are unmapped: their memory goes back, as the thread path's batches' would.
         while len(self._free) > self._keep:
@@ -399,6 +409,7 @@ class Workers:
             if rest:
                 with contextlib.suppress(OSError, ValueError):
                     self._conns[w].send(("free", rest))
+                    self._returns[w].sent_by_message()
 
     def close(self) -> None:
         """Ends the workers (killed if they do not end within ``JOIN_S``) and lets their slots go
