@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 _ALIGN = 64  # every tensor of a slot starts on a cache line (and any dtype's alignment)
 _POLL_S = 0.1  # how often a waiting side looks at its peer's life and the stop flag
+_ROOM_POLL_S = 0.005  # the longest a worker that is ahead sleeps between two looks at the loop
 _PR_SET_PDEATHSIG = 1
 _NUMPY = {name: np.dtype(name) for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
                                              "float64", "complex64", "complex128")}
@@ -210,14 +211,14 @@ def _die_with_parent(parent: int, by_main_thread: bool) -> None:
 
 def _wait_for_room(taken: Any, i: int, sent: int, ahead: int, stop: Any, parent: int) -> bool:
     """Waits until fewer than ``ahead`` of worker ``i``'s batches are untaken; False when told to
-    stop or orphaned. It polls, backing off to ``_POLL_S``: a loop slow enough to let a worker
-    wait has ``ahead`` batches ready, so a late look costs nothing, and the loop never signals."""
+    stop or orphaned. It polls (the loop never signals), backing off to ``_ROOM_POLL_S``, which
+    the other ``ahead - 1`` ready batches cover, as does any step that takes longer."""
     pause = 0.0002
     while sent - taken[i] >= ahead:
         if stop.is_set() or os.getppid() != parent:
             return False
         time.sleep(pause)
-        pause = min(pause * 2, _POLL_S)
+        pause = min(pause * 2, _ROOM_POLL_S)
     return True
 
 
