@@ -318,8 +318,8 @@ class Loader:
         return self._active
 
     def _start_workers(self, at: tuple[int, int]) -> Workers:
-        # The workers read ahead of each other (one unit each), so one worker alone reads ahead too;
-        # pinning and the device copy stay in this process (a forked child must not touch CUDA).
+        # Each worker reads its next unit while it serves one, as the thread path does; pinning
+        # and the device copy stay in this process (a forked child must not touch CUDA).
         source = dataclasses.replace(self._source, read_ahead=self._prefetch > 0,
                                      make=dataclasses.replace(self._source.make, pin=False))
         return Workers(source, *at, workers=self._workers, prefetch=max(1, self._prefetch), pin=self._pin,

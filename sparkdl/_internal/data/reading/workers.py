@@ -27,7 +27,8 @@ count, so taking a batch wakes no other process (each wake-up cost the loop 30-6
 the epochs after it, like the prefetch thread), ended by :meth:`Workers.close` (``break``, a new
 position, ``loader.close()``, the loader dropped), each wait bounded. A worker forked by the main
 thread gets ``PR_SET_PDEATHSIG`` (SIGKILL when the rank dies, even by SIGKILL); every worker also
-checks its parent between batches. An error in a worker reaches the loop as itself (a
+checks its parent while it waits for the loop, which it does within ``prefetch`` batches of a
+loop that stopped taking them. An error in a worker reaches the loop as itself (a
 :class:`~sparkdl.DatasetError` naming the column, as on threads); a worker that dies is named
 with its exit code.
 """
