@@ -229,6 +229,15 @@ def test_break_and_close_end_the_workers_promptly(ds: Dataset) -> None:
     loader.close()
 
 
+def test_a_dropped_loader_ends_its_workers(ds: Dataset) -> None:
+    loader = ds.loader(16, rank=0, world_size=1, workers=2, shuffle_window=160)
+    it = iter(loader)
+    next(it)
+    pids = loader.worker_pids
+    del it, loader  # no close(): dropping the loader is enough
+    assert _gone(pids, 5.0)
+
+
 def test_workers_end_with_a_rank_killed_by_sigkill(ds: Dataset, tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import sys, time
