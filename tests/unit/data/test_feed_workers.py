@@ -156,6 +156,25 @@ def test_resume_at_another_world_size(ds: Dataset) -> None:
             assert [b["id"].tolist() for b in procs] == [b["id"].tolist() for b in threads]
 
 
+def test_a_resharded_rest_shorter_than_the_workers_then_whole_epochs(ds: Dataset) -> None:
+    # The rest of the old epoch fills one unit: worker 1 has none in it, and must still be there
+    # for the next epoch's units.
+    kwargs: dict[str, Any] = dict(seed=2, shuffle_window=256, columns=["id"])
+    old = ds.loader(40, rank=0, world_size=3, **kwargs)
+    it = iter(old)
+    for _ in range(len(old) - 2):
+        next(it)
+    state = old.state_dict()
+    old.close()
+    threads = ds.loader(40, rank=1, world_size=2, **kwargs)
+    procs = ds.loader(40, rank=1, world_size=2, workers=2, **kwargs)
+    threads.load_state_dict(state)
+    procs.load_state_dict(state)
+    with procs:
+        for _ in range(2):
+            assert [b["id"].tolist() for b in procs] == [b["id"].tolist() for b in threads]
+
+
 def test_a_workers_error_is_the_thread_paths_named_error(tmp_path: Path) -> None:
     pq.write_table(pa.table({"x": pa.array([1.0, None, 3.0] * 40), "ok": pa.array(range(120))}),
                    tmp_path / "a.parquet", row_group_size=30)

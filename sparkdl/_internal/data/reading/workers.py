@@ -252,8 +252,8 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
                 close = getattr(batches, "close", None)
                 if close is not None:
                     close()
-            if not given and step == 0:
-                return  # more workers than units: this one has none in any epoch
+            if not given and step == 0 and not (source.resume is not None and source.resume.epoch == epoch):
+                return  # more workers than an epoch's units: this one has none in any epoch
             epoch, step = epoch + 1, 0
     except BaseException as exc:  # handed to the training process, which raises it
         with contextlib.suppress(Exception):
