@@ -43,7 +43,6 @@ import multiprocessing
 import os
 import pickle
 import select
-import signal
 import threading
 import time
 import weakref
@@ -55,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sparkdl._internal.common import proctree
 from sparkdl._internal.common.errors import DatasetError
 from sparkdl._internal.data.reading.prefetch import END, DeviceCopy, Failure, Item
 from sparkdl._internal.data.reading.read import Batch, pin_batch
@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 _ALIGN = 64  # every tensor of a slot starts on a cache line (and any dtype's alignment)
 _POLL_S = 0.1  # how often a waiting side looks at its peer's life and the stop flag
 _ROOM_POLL_S = 0.005  # the longest a worker that is ahead sleeps between two looks at the loop
-_PR_SET_PDEATHSIG = 1
 _NUMPY = {name: np.dtype(name) for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
                                              "float64", "complex64", "complex128")}
 """torch dtypes (by name) that numpy has too."""
@@ -204,8 +203,7 @@ def _die_with_parent(parent: int, by_main_thread: bool) -> None:
     """SIGKILL when the parent dies (Linux); only for a fork by the main thread, since the signal
     follows the forking thread's life, not the process's."""
     if by_main_thread:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        proctree.die_with_parent()
     if os.getppid() != parent:  # it died before the signal was set
         os._exit(1)
 
