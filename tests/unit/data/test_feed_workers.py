@@ -96,7 +96,7 @@ def test_more_batches_kept_than_the_return_ring_holds(ds: Dataset) -> None:
         del first
         second = [b["id"].clone() for b in loader]
         # ... and unmaps the slots beyond the few it keeps, so memory goes back as on threads.
-        assert len(loader._pump._maps[0]) < 20  # type: ignore[union-attr]
+        assert len(loader._pump._mapped.maps[0]) < 20  # type: ignore[union-attr]
     assert ids == list(range(2040)) and torch.cat(second).tolist() == ids
 
 
@@ -137,6 +137,21 @@ def test_transform_and_to_device_run_as_on_threads(ds: Dataset) -> None:
     for a, b in zip(threads, procs, strict=True):
         assert torch.equal(a["sq"], b["sq"]) and torch.equal(a["half"], b["half"]) and a["tag"] == b["tag"]
         assert int(b["pid"]) != os.getpid()  # the transform ran in a worker
+
+
+def _odd_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+    return {"bf16": batch["x"].to(torch.bfloat16), "empty": torch.zeros((len(batch["id"]), 0)),
+            "strided": batch["x"].t()[:2], "scalar": batch["id"].sum()}
+
+
+def test_tensors_of_any_dtype_shape_and_layout_cross_as_they_are(ds: Dataset) -> None:
+    threads = list(ds.loader(64, rank=0, world_size=1, transform=_odd_tensors))
+    loader = ds.loader(64, rank=0, world_size=1, transform=_odd_tensors, workers=2)
+    with loader:
+        procs = list(loader)
+    for a, b in zip(threads, procs, strict=True):
+        for k in a:
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
 
 
 def test_resume_at_another_world_size(ds: Dataset) -> None:

@@ -12,7 +12,7 @@ training process takes each batch from the worker whose unit it belongs to
 thread path does, so the rows, their order and the resume position are the thread path's, for
 any ``N``.
 
-**Shared memory.** A worker copies each finished batch's tensors into a slot: an anonymous
+**Shared memory** (:mod:`~sparkdl._internal.data.reading.slots`). A worker copies each finished batch's tensors into a slot: an anonymous
 ``memfd`` it created and handed to the training process once, over their socket (no file in
 ``/dev/shm``, so nothing is left behind however either side ends). Only a small header (offsets,
 dtypes, shapes; strings and bytes columns as values) is pickled. The training process's tensors
@@ -37,166 +37,29 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
-import mmap
 import multiprocessing
 import os
 import pickle
 import select
 import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.reduction import recv_handle
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from sparkdl._internal.common import proctree
 from sparkdl._internal.common.errors import DatasetError
 from sparkdl._internal.data.reading.prefetch import END, DeviceCopy, Failure, Item
 from sparkdl._internal.data.reading.read import Batch, pin_batch
+from sparkdl._internal.data.reading.slots import Mapped, Returns, Slots
 
 if TYPE_CHECKING:
     from sparkdl._internal.data.decoding.samples import Skipped
     from sparkdl._internal.data.reading.reshard import Reading
 
-_ALIGN = 64  # every tensor of a slot starts on a cache line (and any dtype's alignment)
 _POLL_S = 0.1  # how often a waiting side looks at its peer's life and the stop flag
 _ROOM_POLL_S = 0.005  # the longest a worker that is ahead sleeps between two looks at the loop
-_NUMPY = {name: np.dtype(name) for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
-                                             "float64", "complex64", "complex128")}
-"""torch dtypes (by name) that numpy has too."""
-
-
-class _Returns:
-    """Slots the loop let go, on their way back to one worker: a ring of slot numbers in shared
-    memory, under a lock neither side holds for more than a few stores. Unlike a message, this
-    costs the training process no system call and wakes nobody (a wake-up between processes
-    cost 30-60 us of the loop's CPU per batch here, more than the rest of a hand-over)."""
-
-    SIZE = 256
-
-    def __init__(self, context: Any) -> None:
-        self._ring = context.RawArray(ctypes.c_int64, self.SIZE)
-        self._counts = context.RawArray(ctypes.c_int64, 3)  # slots written, slots read, messages sent
-        self._lock = context.Lock()
-
-    def put(self, slots: list[int]) -> list[int]:
-        """Puts in what fits; gives back the rest (then sent as a message)."""
-        if not self._lock.acquire(timeout=_POLL_S):  # its worker died holding it
-            return slots
-        try:
-            written, read = self._counts[0], self._counts[1]
-            room = self.SIZE - (written - read)
-            for slot in slots[:room]:
-                self._ring[written % self.SIZE] = slot
-                written += 1
-            self._counts[0] = written
-        finally:
-            self._lock.release()
-        return slots[room:]
-
-    def sent_by_message(self) -> None:
-        """Counts a message of slots that did not fit, for :meth:`messages` to tell."""
-        self._counts[2] += 1  # only the training process writes it
-
-    def messages(self) -> int:
-        """Messages of slots sent so far (the worker reads its socket when this grows)."""
-        return int(self._counts[2])
-
-    def take(self) -> list[int]:
-        """The slots put in since the last take."""
-        if not self._lock.acquire(timeout=_POLL_S):
-            return []
-        try:
-            written, read = self._counts[0], self._counts[1]
-            self._counts[1] = written
-            return [self._ring[i % self.SIZE] for i in range(read, written)]
-        finally:
-            self._lock.release()
-
-
-class _Slots:
-    """A worker's slots: memfd mappings, each handed to the training process once by its number."""
-
-    def __init__(self, conn: Connection, parent: int, returns: _Returns, keep: int) -> None:
-        self._conn, self._parent, self._returns, self._keep = conn, parent, returns, keep
-        self._messages = 0  # of slots, read from the socket
-        self._maps: dict[int, mmap.mmap] = {}
-        self._views: dict[int, Any] = {}  # a uint8 tensor over each slot, to copy batches into
-        self._free: list[int] = []
-        self._next = 0
-
-    def pack(self, batch: Any) -> tuple[Any, ...]:
-        """The batch's tensors copied into a free slot; the header that rebuilds it."""
-        import torch
-
-        if not isinstance(batch, dict):
-            return ("batch", -1, batch)  # a transform's own type: pickled whole
-        layout: dict[str, tuple[int, int, str, tuple[int, ...]]] = {}
-        at = 0
-        for k, v in batch.items():
-            if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-                n = v.numel() * v.element_size()
-                layout[k] = (at, n, str(v.dtype)[6:], tuple(v.shape))  # "torch.float32" -> "float32"
-                at += -(-n // _ALIGN) * _ALIGN
-        slot = self._take(at)
-        whole = self._views[slot]
-        for k, (offset, n, _, shape) in layout.items():
-            if n:
-                v = batch[k]
-                whole[offset : offset + n].view(v.dtype).view(shape).copy_(v)
-        rest = {k: v for k, v in batch.items() if k not in layout}
-        return ("batch", slot, (layout, rest, list(batch)))
-
-    def _take(self, nbytes: int) -> int:
-        self._free.extend(self._returns.take())  # slots the training process let go
-        if self._returns.messages() != self._messages:  # more of them, sent when the ring was full
-            while self._conn.poll(0):
-                message = self._conn.recv()
-                if message[0] == "free":
-                    self._free.extend(message[1])
-                    self._messages += 1
-        # Slots beyond the few that keep the loop fed (a loop that held many batches let them
-        # go) are unmapped: their memory goes back, as the thread path's batches' would.
-        while len(self._free) > self._keep:
-            self._drop(min(self._free, key=lambda s: len(self._maps[s])))
-        fits = [s for s in self._free if len(self._maps[s]) >= nbytes]
-        if fits:
-            slot = min(fits, key=lambda s: len(self._maps[s]))
-            self._free.remove(slot)
-            return slot
-        if len(self._free) > 2:  # slots too small for today's batches: let the smallest go
-            self._drop(min(self._free, key=lambda s: len(self._maps[s])))
-        size = max(mmap.PAGESIZE, -(-int(nbytes * 1.25) // mmap.PAGESIZE) * mmap.PAGESIZE)
-        fd = os.memfd_create(f"sparkdl-loader-{self._next}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            import torch
-
-            self._maps[self._next] = mmap.mmap(fd, size)
-            self._views[self._next] = torch.frombuffer(self._maps[self._next], dtype=torch.uint8)
-            self._conn.send(("slot", self._next, size))
-            send_handle(self._conn, fd, self._parent)
-        finally:
-            os.close(fd)
-        self._next += 1
-        return self._next - 1
-
-    def _drop(self, slot: int) -> None:
-        self._free.remove(slot)
-        del self._views[slot]
-        self._maps.pop(slot).close()
-        self._conn.send(("drop", slot))
-
-
-def _released(freed: deque[tuple[int, int]], watched: dict[tuple[int, int], Any], key: tuple[int, int], _: Any) -> None:
-    """A batch's tensors are gone: its slot goes back (a weakref callback; it holds no Workers)."""
-    watched.pop(key, None)
-    freed.append(key)
 
 
 def _die_with_parent(parent: int, by_main_thread: bool) -> None:
@@ -222,7 +85,7 @@ def _wait_for_room(taken: Any, i: int, sent: int, ahead: int, stop: Any, parent:
 
 
 def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: Connection, taken: Any,
-          returns: _Returns, ahead: int, stop: Any, parent: int, by_main_thread: bool, skipped: Skipped | None) -> None:
+          returns: Returns, ahead: int, stop: Any, parent: int, by_main_thread: bool, skipped: Skipped | None) -> None:
     """A worker: its units' batches, epoch after epoch, into slots, until stopped or orphaned."""
     _die_with_parent(parent, by_main_thread)
     import torch
@@ -230,7 +93,7 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
     torch.set_num_threads(1)  # a process of its own, as torch's DataLoader workers
     # Arrow's own pool (mimalloc) stays: with the system allocator a worker read 0.6-0.7x as
     # fast (every row group's buffers mapped and faulted in afresh) for the same peak memory.
-    slots, sent = _Slots(conn, parent, returns, keep=ahead + 2), 0
+    slots, sent = Slots(conn, parent, returns, keep=ahead + 2), 0
     told = (skipped.count, len(skipped.examples)) if skipped is not None else (0, 0)
     try:
         while True:
@@ -278,15 +141,13 @@ class Workers:
         context = multiprocessing.get_context("fork")
         self._source, self._copy, self._pin, self._skipped = source, copy, pin, skipped
         self._stop = context.Event()
-        self._freed: deque[tuple[int, int]] = deque()  # (worker, slot) let go by the loop's tensors
-        self._watched: dict[tuple[int, int], weakref.ref[np.ndarray]] = {}  # slots the loop holds
         self._polls: list[select.poll] = []
-        self._maps: list[dict[int, mmap.mmap]] = [{} for _ in range(workers)]
         self._conns: list[Connection] = []
         # Batches each worker handed over that the loop took: written here, read by the worker,
         # in shared memory, so that taking a batch costs the loop no system call and no wake-up.
         self._taken = context.RawArray(ctypes.c_int64, workers)
-        self._returns = [_Returns(context) for _ in range(workers)]
+        self._returns = [Returns(context) for _ in range(workers)]
+        self._mapped = Mapped(self._returns)
         self._procs: list[Any] = []
         self._closed = False
         by_main = threading.current_thread() is threading.main_thread()
@@ -341,7 +202,8 @@ class Workers:
 
     def _receive(self, w: int) -> Batch | None:
         """The next batch from worker ``w``: None when it died; its error raised."""
-        self._give_back()
+        if not self._closed:
+            self._mapped.give_back(self._conns)
         conn, proc = self._conns[w], self._procs[w]
         while True:
             # Bounded by the worker's life: it sends a batch or its error, or it ends.
@@ -358,54 +220,18 @@ class Workers:
                 _, slot, size = message
                 fd = recv_handle(conn)
                 try:
-                    self._maps[w][slot] = mmap.mmap(fd, size)
+                    self._mapped.add(w, slot, fd, size)
                 finally:
                     os.close(fd)
             elif kind == "drop":
-                self._maps[w].pop(message[1], None)
+                self._mapped.drop(w, message[1])
             elif kind == "failure":
                 raise pickle.loads(message[1])
             else:
                 self._taken[w] += 1
                 if len(message) > 3 and self._skipped is not None:
                     self._skipped.merge(message[3], message[4])
-                return self._unpack(w, message[1], message[2])
-
-    def _unpack(self, w: int, slot: int, body: Any) -> Batch:
-        import torch
-
-        if slot < 0:
-            return body  # a transform's own type, as pickled
-        layout, rest, keys = body
-        end = max((offset + n for offset, n, _, _ in layout.values()), default=0)
-        # One array over the slot that every tensor views; when the last tensor goes, so does it,
-        # and the slot goes back to its worker.
-        whole = np.frombuffer(self._maps[w][slot], dtype=np.uint8, count=end)
-        self._watched[(w, slot)] = weakref.ref(whole, functools.partial(_released, self._freed, self._watched, (w, slot)))
-        out: Batch = {}
-        for k in keys:
-            if k in layout:
-                offset, n, dtype, shape = layout[k]
-                part = whole[offset : offset + n]
-                if dtype in _NUMPY:  # one numpy view, then one torch call: the cheaper way
-                    out[k] = torch.from_numpy(part.view(_NUMPY[dtype]).reshape(shape))
-                else:  # bfloat16 and the like, which numpy lacks
-                    out[k] = torch.from_numpy(part).view(getattr(torch, dtype)).view(shape)
-            else:
-                out[k] = rest[k]
-        return out
-
-    def _give_back(self) -> None:
-        freed: dict[int, list[int]] = {}
-        while self._freed:
-            w, slot = self._freed.popleft()
-            freed.setdefault(w, []).append(slot)
-        for w, slots in freed.items():
-            rest = self._returns[w].put(slots) if not self._closed else []
-            if rest:
-                with contextlib.suppress(OSError, ValueError):
-                    self._conns[w].send(("free", rest))
-                    self._returns[w].sent_by_message()
+                return self._mapped.unpack(w, message[1], message[2])
 
     def close(self) -> None:
         """Ends the workers (killed if they do not end within ``JOIN_S``) and lets their slots go
