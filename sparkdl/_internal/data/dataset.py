@@ -130,6 +130,7 @@ class Dataset(ParquetFiles):
         decode_in: str = "threads",
         on_bad_sample: str = "raise",
         read_threads: int | None = None,
+        workers: int = 0,
     ) -> Loader:
         """This rank's loader: an iterable of ``{column: tensor}`` batches, the same count on every rank.
 
@@ -187,6 +188,16 @@ class Dataset(ParquetFiles):
                 row group (Parquet decodes a column on one core; a fast GPU outruns one core).
                 Default: a quarter of the cores, 1 to 4. Up to this many row groups are in memory
                 at a time instead of one. Without shuffle a window is about one row group.
+            workers: ``0`` (the default): the loader reads in threads of the training process.
+                ``N >= 1``: ``N`` worker processes, forked when an iteration starts, read and decode
+                the row groups, shuffle, cut and collate the batches, run ``decode`` (on
+                ``decode_workers`` threads each, default the cores over ``N``) and ``transform``,
+                and hand the finished tensors over in shared memory (views, no copy), out of the
+                training process's GIL; pinning and ``to_device`` stay in the training process.
+                Same batches, order and resume state as ``workers=0``. The workers end with the
+                loop (``break``, ``close()``) and with the process, even when it is killed.
+                ``reader="arrow"`` only; ``transform`` must not use CUDA in them
+                (:mod:`sparkdl._internal.data.reading.workers`).
         """
         options = LoaderOptions.from_call(locals())  # first: the keywords above, and self
         # Imported here: the loader brings numpy and pyarrow, which ``import sparkdl`` must not.

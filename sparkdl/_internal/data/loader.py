@@ -76,11 +76,18 @@ from sparkdl._internal.data.loader_options import LoaderOptions
 from sparkdl._internal.data.reading.files import ParquetFiles
 from sparkdl._internal.data.reading.petastorm_reader import check_petastorm
 from sparkdl._internal.data.reading.plan import EpochPlan
-from sparkdl._internal.data.reading.prefetch import DeviceCopy, Iteration, Pump, device_and_pin
+from sparkdl._internal.data.reading.prefetch import (
+    DeviceCopy,
+    Feed,
+    Iteration,
+    Pump,
+    device_and_pin,
+)
 from sparkdl._internal.data.reading.read import LENGTHS_SUFFIX, Batch, BatchMaker
 from sparkdl._internal.data.reading.reshard import STATE_VERSION, Reading, Resume, restore
 from sparkdl._internal.data.reading.selection import place, select_columns
 from sparkdl._internal.data.reading.spares import Spares
+from sparkdl._internal.data.reading.workers import Workers
 
 
 class Loader:
@@ -101,7 +108,8 @@ class Loader:
     two windows (the one being served and the one being read ahead; their arrays are reused for
     the next windows and epochs, and kept between epochs until :meth:`close`) plus one row group
     per decode thread (``read_threads``) and ``prefetch`` batches (on the device, with ``to_device``). Without shuffle, about two row
-    groups' worth is held.
+    groups' worth is held. With ``workers=N``, each worker process holds its own two windows
+    (:mod:`~sparkdl._internal.data.reading.workers`: same batches, order and state as threads).
 
     Resume: :meth:`state_dict` records the epoch and the batches yielded in it, the same on every
     rank, so rank 0's state restores every rank, at this world size or another (module docstring).
@@ -146,8 +154,14 @@ class Loader:
         self._files = dataset
         self._spares = Spares()  # shuffle windows' arrays, reused from window to window and epoch to epoch
         self._reader = o.reader
+        if o.workers and batched:
+            raise ConfigError(f"workers={o.workers} with a decoder on a device ({batched[0]}): worker processes "
+                              "cannot use the GPU; decode on the device with workers=0, or on the CPU in the workers")
+        self._workers = o.workers
+        # In worker processes, each decodes its own batches on its threads.
         self._samples = SampleMap(
-            fns, seed=o.seed, workers=o.decode_workers or default_workers(), worker_kind=o.decode_in,
+            fns, seed=o.seed, worker_kind="threads" if o.workers else o.decode_in,
+            workers=o.decode_workers or (max(1, default_workers() // o.workers) if o.workers else default_workers()),
             on_bad_sample=o.on_bad_sample, where=functools.partial(place, dataset.manifest),
         ) if fns else None
         threads = o.read_threads or min(4, max(1, default_workers() // 4))
@@ -159,10 +173,11 @@ class Loader:
         self._source = self._reading
         self._prefetch = o.prefetch
         self._copy = DeviceCopy(target) if o.to_device else None
+        self._pin = pin
         self._epoch = o.epoch
         self._step = 0
         self._active: Iteration | None = None
-        self._pump: Pump | None = None
+        self._pump: Pump | Workers | None = None
         self._pump_at: tuple[int, int] | None = None  # its position, once a pass played an epoch to its end
 
     # -- what the plan gives ---------------------------------------------------------------------
@@ -294,13 +309,26 @@ class Loader:
             self._samples.ready()
         at = (self._epoch, self._step)
         # After a pass that ran to its end, its pump is under way with this epoch already.
-        if self._prefetch and (self._pump is None or self._pump_at != at):
+        if (self._prefetch or self._workers) and (self._pump is None or self._pump_at != at):
             self._stop_pump()
-            self._pump = Pump(self._source, *at, self._prefetch, self._copy)
+            self._pump = self._start_workers(at) if self._workers else Pump(self._source, *at, self._prefetch, self._copy)
         self._pump_at = None
-        source: Pump | Iterator[Batch] = self._pump if self._prefetch and self._pump else self._source(*at)
+        source: Feed | Iterator[Batch] = self._pump if self._pump is not None else self._source(*at)
         self._active = Iteration(source, on_batch=self._consumed, on_end=self._finished, copy=self._copy)
         return self._active
+
+    def _start_workers(self, at: tuple[int, int]) -> Workers:
+        # Each worker reads its next unit while it serves one, as the thread path does; pinning
+        # and the device copy stay in this process (a forked child must not touch CUDA).
+        source = dataclasses.replace(self._source, read_ahead=self._prefetch > 0,
+                                     make=dataclasses.replace(self._source.make, pin=False))
+        return Workers(source, *at, workers=self._workers, prefetch=max(1, self._prefetch), pin=self._pin,
+                       copy=self._copy, skipped=self._samples.skipped if self._samples is not None else None)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of the loader's worker processes while they run (``workers=N``), else ``[]``."""
+        return self._pump.pids if isinstance(self._pump, Workers) else []
 
     def _stop_pump(self) -> None:
         if self._pump is not None:

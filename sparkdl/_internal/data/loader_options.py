@@ -50,6 +50,7 @@ class LoaderOptions:
     decode_in: str = "threads"
     on_bad_sample: str = "raise"
     read_threads: int | None = None
+    workers: int = 0
     shard_by: str = "rows"
 
     def __post_init__(self) -> None:
@@ -60,6 +61,10 @@ class LoaderOptions:
         int_at_least("petastorm_workers", self.petastorm_workers, 1)
         int_at_least("shuffle_window", self.shuffle_window, 1, allow_none=True)
         int_at_least("read_threads", self.read_threads, 1, allow_none=True, note=" (None: a quarter of the cores, 1 to 4)")
+        int_at_least("workers", self.workers, 0, note=" (0: the loader's threads, in the training process)")
+        if self.workers and self.reader != "arrow":
+            raise invalid("workers", self.workers, f"0 with reader={self.reader!r} (worker processes play "
+                          "sparkdl's own reader, reader='arrow')")
         if (self.rank is None) != (self.world_size is None):
             raise ConfigError(
                 f"pass both rank and world_size, or neither (got rank={self.rank!r}, world_size={self.world_size!r}); "

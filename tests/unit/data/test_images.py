@@ -68,6 +68,16 @@ def test_same_pixels_for_any_number_and_kind_of_workers_and_the_plain_loaders_ba
             assert torch.equal(a["content"], b["content"])
 
 
+def test_images_decoded_in_loader_workers_are_the_threads_pixels(photo_ds: Dataset) -> None:
+    threads = list(photo_ds.loader(10, seed=3, decode={"content": SMALL}))
+    loader = photo_ds.loader(10, seed=3, decode={"content": SMALL}, workers=2)
+    with loader:
+        procs = list(loader)
+    assert len(procs) == len(threads)
+    for a, b in zip(threads, procs, strict=True):
+        assert torch.equal(a["content"], b["content"]) and torch.equal(a["label"], b["label"]) and a["path"] == b["path"]
+
+
 def test_randomness_is_the_samples_own_epoch_seed_and_row(photo_ds: Dataset) -> None:
     e0 = _by_label(photo_ds.loader(8, seed=1, decode={"content": SMALL}))
     again = _by_label(photo_ds.loader(8, seed=1, decode={"content": SMALL}, shuffle=False, world_size=3, rank=1))

@@ -83,6 +83,12 @@ class Skipped:
                 self.examples.append(reason)
                 log.warning("sparkdl loader: skipped a bad sample (on_bad_sample='skip'): %s", reason)
 
+    def merge(self, count: int, examples: Sequence[str]) -> None:
+        """Adds what a loader worker process counted (it logged its examples itself)."""
+        with self._lock:
+            self.count += count
+            self.examples.extend(examples[: max(0, _EXAMPLES - len(self.examples))])
+
 
 # A process worker's functions: set once per forked worker by the pool's initializer.
 _WORKER_FNS: dict[str, SampleFn] = {}

@@ -23,7 +23,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
 from sparkdl._internal.data.reading.read import Batch
@@ -39,7 +39,9 @@ class _End:
     pass
 
 
-class _Failure:
+class Failure:
+    """An error of the batches' producer (thread or worker process), for the consumer to raise."""
+
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
@@ -116,15 +118,17 @@ def device_and_pin(device: Any, pin_memory: bool | None, to_device: bool, defaul
     return target, pin and cuda
 
 
-_END = _End()
-_Item: TypeAlias = Batch | _Copying | _End | _Failure
+END = _End()
+"""The end of an epoch, in a pump's stream of items."""
+Item: TypeAlias = Batch | _Copying | _End | Failure
+"""What a pump hands over: a batch (or its copy under way), an epoch's end, or a failure."""
 
 
-def _pump(source: Source, epoch: int, step: int, out: queue.Queue[_Item], stop: threading.Event,
+def _pump(source: Source, epoch: int, step: int, out: queue.Queue[Item], stop: threading.Event,
           copy: DeviceCopy | None) -> None:
     """The background thread: epoch after epoch into the bounded queue, until told to stop."""
 
-    def put(item: _Item) -> bool:
+    def put(item: Item) -> bool:
         while not stop.is_set():
             try:
                 out.put(item, timeout=0.1)
@@ -140,10 +144,10 @@ def _pump(source: Source, epoch: int, step: int, out: queue.Queue[_Item], stop: 
             for batch in batches:
                 if not put(copy.start(batch) if copy is not None else batch):
                     return
-            if not put(_END):
+            if not put(END):
                 return
         except BaseException as exc:  # handed to the consumer, which raises it in the training thread
-            put(_Failure(exc))
+            put(Failure(exc))
             return
         finally:
             close = getattr(batches, "close", None)
@@ -159,7 +163,7 @@ class Pump:
     _JOIN_S = 5.0
 
     def __init__(self, source: Source, epoch: int, step: int, prefetch: int, copy: DeviceCopy | None) -> None:
-        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=max(1, prefetch))
+        self._queue: queue.Queue[Item] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         self._closed = False
         # The thread holds the source, the queue and the event, never this object.
@@ -167,7 +171,7 @@ class Pump:
                                         name="sparkdl-prefetch", daemon=True)
         self._thread.start()
 
-    def get(self) -> _Item:
+    def get(self) -> Item:
         while True:
             try:
                 return self._queue.get(timeout=0.5)
@@ -177,7 +181,7 @@ class Pump:
                     try:
                         return self._queue.get_nowait()
                     except queue.Empty:
-                        return _Failure(DatasetError("the loader's reader thread ended without a result"))
+                        return Failure(DatasetError("the loader's reader thread ended without a result"))
 
     def close(self) -> None:
         """Stops the thread and drops the batches it prepared."""
@@ -198,6 +202,14 @@ class Pump:
             self.close()
 
 
+class Feed(Protocol):
+    """What a pass takes its items from: a :class:`Pump`, or the loader's worker processes."""
+
+    def get(self) -> Item: ...
+
+    def close(self) -> None: ...
+
+
 class Iteration:
     """One pass over an epoch: from a :class:`Pump`, or from the batch iterator itself.
 
@@ -211,7 +223,7 @@ class Iteration:
 
     def __init__(
         self,
-        batches: Pump | Iterator[Batch],
+        batches: Feed | Iterator[Batch],
         *,
         on_batch: Callable[[Iteration], None],
         on_end: Callable[[Iteration], None],
@@ -223,8 +235,10 @@ class Iteration:
         )
         self._closed = False
         self._ended = False
-        self._pump = batches if isinstance(batches, Pump) else None
-        self._batches = None if isinstance(batches, Pump) else batches
+        # A pump (the prefetch thread, or the worker processes: anything with get() and close()),
+        # or the batch iterator itself.
+        self._pump = None if isinstance(batches, Iterator) else batches
+        self._batches = batches if isinstance(batches, Iterator) else None
         self._copy = copy
 
     def __iter__(self) -> Iteration:
@@ -241,7 +255,7 @@ class Iteration:
             if on_end is not None:
                 on_end(self)
             raise StopIteration
-        if isinstance(item, _Failure):
+        if isinstance(item, Failure):
             self.close()
             raise item.exc
         batch = item.ready() if isinstance(item, _Copying) else item
@@ -249,18 +263,18 @@ class Iteration:
             on_batch(self)
         return batch
 
-    def _next_item(self) -> _Item:
+    def _next_item(self) -> Item:
         if self._pump is not None:
             return self._pump.get()
         if self._batches is None:
-            return _END
+            return END
         try:
             batch = next(self._batches)
             return self._copy.start(batch) if self._copy is not None else batch
         except StopIteration:
-            return _END
+            return END
         except BaseException as exc:
-            return _Failure(exc)
+            return Failure(exc)
 
     def close(self) -> None:
         """Ends the pass: stops its pump unless the pass ran to its end, closes its iterator."""

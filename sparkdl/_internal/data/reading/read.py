@@ -83,7 +83,7 @@ class BatchMaker:
 
     def _finish(self, batch: Batch, pinned: bool = True) -> Batch:
         if not pinned:
-            _pin(batch)
+            pin_batch(batch)
         return self.transform(batch) if self.transform is not None else batch
 
 
@@ -111,8 +111,13 @@ def arrow_batches(
     *,
     read_ahead: bool,
     spares: Spares | None = None,
+    part: tuple[int, int] | None = None,
 ) -> Iterator[Batch]:
     """This rank's batches of ``epoch`` from step ``start_step`` on, read with pyarrow.
+
+    With ``part=(i, n)``, only the batches of every ``n``-th unit from the ``i``-th on (a loader
+    worker's part, :mod:`sparkdl._internal.data.reading.workers`); :func:`unit_batches` counts
+    the batches of each unit.
 
     The share is read in units of ``plan.unit`` rows (the shuffle window, or about one row group
     without shuffle). With ``read_ahead``, one thread reads and decodes the next unit while this
@@ -126,6 +131,8 @@ def arrow_batches(
     unit, per_rank, b = plan.unit, plan.per_rank, plan.batch_size
     first = start_step * b
     units = range(first // unit, -(-per_rank // unit))
+    if part is not None:
+        units = units[part[0] :: part[1]]
     reader = RowGroupReader(files, plan.rg_file, plan.rg_index, plan.rg_rows, columns, make.read_threads)
     base = plan.rank * per_rank
     spare = spares if plan.shuffle else None
@@ -152,6 +159,14 @@ def arrow_batches(
             del data, perm
 
     yield from played(started(), make, windows, reader)
+
+
+def unit_batches(plan: EpochPlan, start_step: int) -> list[int]:
+    """The batches of each unit that :func:`arrow_batches` plays from ``start_step`` on, in order
+    (a unit is a multiple of the batch size, so no batch spans two)."""
+    unit, per_rank, b, first = plan.unit, plan.per_rank, plan.batch_size, start_step * plan.batch_size
+    return [-(-(min((k + 1) * unit, per_rank) - max(first, k * unit)) // b)
+            for k in range(first // unit, -(-per_rank // unit))]
 
 
 def played(started: Iterator[Callable[[], Batch]], make: BatchMaker, windows: Any, reader: RowGroupReader) -> Iterator[Batch]:
@@ -392,11 +407,12 @@ def _make_batch(columns: Sequence[ColumnSpec], window: Window, sel: Selection, p
         else:  # binary, strings; structs and the like when a decode function takes them
             batch[c.name] = part.to_pylist()
     if pin:
-        _pin(batch)
+        pin_batch(batch)
     return batch
 
 
-def _pin(batch: Batch) -> None:
+def pin_batch(batch: Batch) -> None:
+    """Pins the batch's CPU tensors in place of them (in the dict)."""
     import torch
 
     for k, v in batch.items():

@@ -39,6 +39,7 @@ from sparkdl._internal.data.reading.read import (
     played,
     read_in_turn,
     read_window,
+    unit_batches,
 )
 
 STATE_VERSION = 2
@@ -122,8 +123,15 @@ class Resume:
             out[rows] = first + perm[index[rows] - first]
         return out
 
-    def batches(self, files: ParquetFiles, make: BatchMaker, start_step: int, *, read_ahead: bool) -> Iterator[Batch]:
-        """This rank's batches from ``start_step`` on, read with pyarrow a unit at a time.
+    def unit_batches(self, start_step: int) -> list[int]:
+        """The batches of each unit that :meth:`batches` plays from ``start_step`` on, in order."""
+        left, unit, b = (self.per_rank - start_step * self.plan.batch_size, self.plan.unit, self.plan.batch_size)
+        return [-(-min(unit, left - lo) // b) for lo in range(0, left, unit)]
+
+    def batches(self, files: ParquetFiles, make: BatchMaker, start_step: int, *, read_ahead: bool,
+                part: tuple[int, int] | None = None) -> Iterator[Batch]:
+        """This rank's batches from ``start_step`` on, read with pyarrow a unit at a time; with
+        ``part=(i, n)``, those of every ``n``-th unit from the ``i``-th on.
 
         Each unit holds its rows and at most ``plan.unit`` rows between them that are read and
         not used (other ranks' or consumed rows), traded for fewer, longer reads.
@@ -147,6 +155,8 @@ class Resume:
             return window, offsets[j] + part - starts[j]
 
         units = range(-(-len(wanted) // unit))
+        if part is not None:
+            units = units[part[0] :: part[1]]
         windows = read_in_turn(read, units, read_ahead=read_ahead)
         epoch = self.epoch
 
@@ -174,14 +184,22 @@ class Reading:
     read_ahead: bool
     resume: Resume | None = None
 
-    def __call__(self, epoch: int, step: int) -> Iterator[Batch]:
+    def __call__(self, epoch: int, step: int, part: tuple[int, int] | None = None) -> Iterator[Batch]:
         """The batches of ``epoch`` from ``step`` on: the rest of a resharded epoch when ``resume``
-        is that epoch's, else from the chosen reader as planned."""
+        is that epoch's, else from the chosen reader as planned. ``part=(i, n)`` (``reader="arrow"``):
+        only those of every ``n``-th unit from the ``i``-th on, counted by :meth:`unit_batches`."""
         if self.resume is not None and self.resume.epoch == epoch:
-            return self.resume.batches(self.files, self.make, step, read_ahead=self.read_ahead)
+            return self.resume.batches(self.files, self.make, step, read_ahead=self.read_ahead, part=part)
         if self.reader == "petastorm":
             return petastorm_batches(self.files, self.plan, self.make, self.petastorm_workers, epoch, step)
-        return arrow_batches(self.files, self.plan, self.make, epoch, step, read_ahead=self.read_ahead, spares=self.spares)
+        return arrow_batches(self.files, self.plan, self.make, epoch, step, read_ahead=self.read_ahead,
+                             spares=self.spares, part=part)
+
+    def unit_batches(self, epoch: int, step: int) -> list[int]:
+        """The batches of each unit of ``epoch`` from ``step`` on (``reader="arrow"``), in order."""
+        if self.resume is not None and self.resume.epoch == epoch:
+            return self.resume.unit_batches(step)
+        return unit_batches(self.plan, step)
 
 
 def covering_ranges(positions: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
