@@ -4,7 +4,8 @@ itself without pruning, and against Ray Tune + Ray Train on the same problem.
 The problem (``tune_problem.py``): 8 trials (learning rates on a log grid) of 2 ranks each, a
 linear regression trained with SGD whose loss depends on the learning rate in a known way, an
 allreduce every step, a wait per step standing in for an accelerator's step, one report per epoch.
-On ``local[4]`` (four task slots: two gangs of two at once). Printed, each measured in this run:
+On ``local-cluster[2,2,1024]`` (two executors of two task slots: two gangs of two at once;
+``--master local[4]`` for one JVM). Printed, each measured in this run:
 
 1. wall time of the search at ``max_concurrent`` 1 and 2, and their ratio (target >= 1.7x);
 2. with Optuna's median pruner against none (both at 2 at once): the epochs run, the fraction
@@ -102,14 +103,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per epoch")
     parser.add_argument("--step-s", type=float, default=0.05, help="the wait of each step (an accelerator's step)")
     parser.add_argument("--ray-python", default=None)
+    parser.add_argument("--master", default="local-cluster[2,2,1024]",
+                        help="a cluster that holds two gangs of two: two executors of two cores (default), or local[4]")
     args = parser.parse_args()
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master("local[4]").config("spark.ui.enabled", "false")
+    spark = (SparkSession.builder.master(args.master).config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false").config("spark.scheduler.mode", "FAIR").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     print(f"{args.trials} trials of 2 ranks, {args.epochs} epochs of {args.steps} steps of >= {args.step_s} s, "
-          f"local[4], {os.cpu_count()} cores", flush=True)
+          f"{args.master}, {os.cpu_count()} cores", flush=True)
     run_sparkdl(spark, argparse.Namespace(**{**vars(args), "trials": 2}), 2, False)  # warm: JVM, zygotes
     one = run_sparkdl(spark, args, 1, False)
     print(f"sparkdl, 1 at once:          {one['wall']:6.1f} s", flush=True)
