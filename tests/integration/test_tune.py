@@ -113,6 +113,9 @@ def test_a_worse_trial_is_pruned_at_the_same_step_on_every_rank_and_its_ranks_en
     # went on alone into the next step's allreduce (which would have failed the trial).
     assert sorted(p.name for p in log.glob("t1-r*-pruned-at-*")) == ["t1-r0-pruned-at-1", "t1-r1-pruned-at-1"]
     assert not list(log.glob("t1-a*-r*.end"))
+    # A pruned trial never resumes: its checkpoints are removed; the completed trial's are kept.
+    assert not (tmp_path / "search" / "trial-1" / "checkpoints").exists()
+    assert list((tmp_path / "search" / "trial-0" / "checkpoints").glob("ckpt-*.json"))
     assert bad.intermediate_values == {0: pytest.approx(tune_objective.loss(1.0, 0)),
                                        1: pytest.approx(tune_objective.loss(1.0, 1))}
     assert not _gone(_pids(log, 1))
@@ -210,6 +213,20 @@ def test_tune_refuses_bad_arguments_before_any_spark_job(four_slots) -> None:  #
     with pytest.raises(sparkdl.ConfigError, match=r"study must be an optuna\.Study"):
         sparkdl.tune(tune_objective.objective, study="s", search_space=space, n_trials=1, workers_per_trial=1)
     assert study.trials == []
+
+
+def test_a_search_space_that_fails_fails_its_trial_and_stops_the_search(four_slots, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    study = _study()
+
+    def broken(trial):  # type: ignore[no-untyped-def]
+        return {"lr": trial.suggest_float("lr", 1.0, 0.1)}  # low > high: Optuna refuses it
+
+    with pytest.raises(ValueError):
+        sparkdl.tune(tune_objective.objective, "x", {}, study=study, search_space=broken, n_trials=3,
+                     workers_per_trial=1, spark=four_slots, tune_dir=str(tmp_path / "search"))
+    # Not left RUNNING for a later call to resume: failed, saying why; no other trial was asked.
+    assert [t.state.name for t in study.trials] == ["FAIL"]
+    assert study.trials[0].user_attrs["sparkdl.error"].startswith("search_space: ValueError")
 
 
 def test_with_mlflow_the_search_is_a_parent_run_with_a_nested_run_per_trial(four_slots, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -32,6 +32,7 @@ from sparkdl._internal.common.errors import ConfigError, InsufficientSlotsError,
 from sparkdl._internal.common.validate import int_at_least, invalid
 from sparkdl._internal.driver import cluster
 from sparkdl._internal.driver.run import LaunchOptions, launch_with
+from sparkdl._internal.fs.storage import filesystem, redact
 from sparkdl._internal.spark import spark_api
 from sparkdl._internal.spark.session import resolve_session
 from sparkdl._internal.tune.trials import (
@@ -84,8 +85,9 @@ def tune(
     told to stop raises :class:`sparkdl.TrialPruned` (or ``optuna.TrialPruned``) on every rank:
     its slots go to the next trial.
 
-    Each trial has its own checkpoint directory, ``<tune_dir>/trial-<number>/checkpoints``: a
-    trial whose rank fails reruns under ``config`` (``max_attempts``) from its last checkpoint,
+    Each trial has its own checkpoint directory, ``<tune_dir>/trial-<number>/checkpoints``
+    (removed when the trial ends pruned, kept otherwise): a trial whose rank fails reruns under
+    ``config`` (``max_attempts``) from its last checkpoint,
     and a trial that fails on every attempt is marked FAIL in the study (the error in its user
     attribute ``sparkdl.error``) while the search goes on. With the study on shared storage
     (Optuna's ``JournalStorage`` on a file, or a database URL), calling ``tune`` again with the
@@ -273,10 +275,16 @@ class _Search:
         return _Next(trial, self._params(trial), set(frozen.intermediate_values), resumed=True)
 
     def _params(self, trial: Any) -> dict[str, Any]:
-        params = self.options.search_space(trial)
-        if not isinstance(params, Mapping):
+        """What the search space gives ``trial``; a space that raises or gives no dict fails the
+        trial (not left RUNNING, for a later call to resume) and stops the search."""
+        try:
+            params = self.options.search_space(trial)
+            if not isinstance(params, Mapping):
+                raise invalid("search_space(trial)", params, "a dict of the trial's parameters")
+        except BaseException as exc:
+            trial.set_user_attr(ERROR_ATTR, first_lines(f"search_space: {type(exc).__name__}: {exc}"))
             self.study.tell(trial, state=_state("FAIL"))
-            raise invalid("search_space(trial)", params, "a dict of the trial's parameters")
+            raise
         return dict(params)
 
     def _trial(self, nxt: _Next, slot: int, tally: Tally, parent: str | None) -> None:
@@ -310,6 +318,7 @@ class _Search:
             if isinstance(result.value, Pruned):
                 state = "PRUNED"
                 self.study.tell(trial, state=_state("PRUNED"))
+                _remove(checkpoints)  # a pruned trial never resumes: its checkpoints are only disk
                 return
             value = _number(result.value if result.value is not None else judge.last)
             if value is None:
@@ -380,6 +389,15 @@ class _Search:
             mlflow.log_metric("value", value)
         mlflow.set_tag("sparkdl.trial_state", state)
         mlflow.end_run(status="FINISHED" if state in ("COMPLETE", "PRUNED") else "FAILED")
+
+
+def _remove(url: str) -> None:
+    """Removes a directory of checkpoints, warning (not failing the search) when it cannot."""
+    try:
+        fs, path = filesystem(url)
+        fs.delete_dir(path)
+    except Exception as exc:
+        log.warning("sparkdl tune: could not remove %s: %s: %s", redact(url), type(exc).__name__, exc)
 
 
 def _number(value: Any) -> float | None:
