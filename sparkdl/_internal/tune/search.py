@@ -217,8 +217,9 @@ class _Search:
         optuna = require_optuna()
         lease = RunLease(self.tune_dir, f"tune-{secrets.token_hex(4)}", self.launch.config.checkpoint_lease_s)
         lease.acquire()  # a second driver on the same search is refused, naming this one
-        parent = self._mlflow_parent()
+        parent: str | None = None
         try:
+            parent = self._mlflow_parent()
             mine = search_trials(self.study, self.tune_dir)
             left = deque(t for t in mine if t.state == optuna.trial.TrialState.RUNNING)
             new = max(0, self.options.n_trials - len(mine))
@@ -230,7 +231,7 @@ class _Search:
                     tally.failed += t.state == optuna.trial.TrialState.FAIL
             if left:
                 log.warning("sparkdl tune: resuming %d trial(s) of %s that a driver left running: %s", len(left),
-                            self.tune_dir, ", ".join(str(t.number) for t in left))
+                            redact(self.tune_dir), ", ".join(str(t.number) for t in left))
             pool = futures.ThreadPoolExecutor(self.concurrent, thread_name_prefix="sparkdl-trial")
             running: dict[futures.Future[None], int] = {}
             try:
