@@ -209,3 +209,39 @@ def test_an_error_while_reading_ahead_is_raised_in_the_next_epoch(ds: Dataset) -
         next(iter(loader))
     assert (loader.epoch, loader.step) == (1, 0)
     loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_next_epochs_first_window_is_read_while_this_epochs_last_is_served(
+        ds: Dataset, workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The last batch of epoch 0 is made only once epoch 1's first window is being read: were that
+    # read left until epoch 0 ends (the loop then waits for a whole window at each epoch's
+    # start), the batch would wait in vain and fail.
+    from sparkdl._internal.data.reading import read as read_module
+
+    reading_next = threading.Event()
+    reads: list[int] = []
+    real_read_window = read_module.read_window
+
+    def read_window(*args: Any, **kwargs: Any) -> Any:
+        reads.append(1)
+        if len(reads) == units + 1:  # epoch 1's first
+            reading_next.set()
+        return real_read_window(*args, **kwargs)
+
+    made: list[int] = []
+
+    def last_waits(batch: dict[str, Any]) -> dict[str, Any]:
+        made.append(1)
+        if len(made) == steps and not reading_next.wait(5):
+            raise AssertionError("epoch 1's first window was not read during epoch 0's last unit")
+        return batch
+
+    monkeypatch.setattr(read_module, "read_window", read_window)
+    loader = ds.loader(32, prefetch=2, transform=last_waits, workers=workers, **KW)
+    steps, units = len(loader), len(loader._source.unit_batches(0, 0))
+    assert units > 1
+    first, second = _ids(loader), _ids(loader)
+    assert first == _ids(ds.loader(32, prefetch=0, **KW))
+    assert second == _ids(ds.loader(32, epoch=1, prefetch=0, **KW))
+    loader.close()

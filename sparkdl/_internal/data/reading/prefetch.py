@@ -1,8 +1,9 @@
 """Prefetch: an epoch's batches, prepared ahead by a background thread, and moved to the device.
 
 A :class:`Pump` is the thread: it plays an epoch from a step into a bounded queue and then goes
-on into the next epochs, each from its start, so that the first window of the next epoch is read
-while the last steps of this one compute (the queue bounds how far ahead it gets). An
+on into the next epochs, each from its start (the queue bounds how far ahead it gets); the next
+epoch's first window is read while this epoch's last is served, so an epoch does not begin by
+waiting for a read. An
 :class:`Iteration` is one pass over one epoch, taken from a pump or, without prefetch, from the
 batch iterator directly. The thread holds the batch source, the queue and a stop event, never
 the pass or the loader, so dropping them stops it; an error in the thread is handed over and
@@ -22,7 +23,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from sparkdl._internal.common.errors import ConfigError, DatasetError
@@ -31,8 +32,11 @@ from sparkdl._internal.data.reading.read import Batch
 if TYPE_CHECKING:
     import torch
 
-Source: TypeAlias = Callable[[int, int], Iterator[Batch]]
-"""``source(epoch, step)``: the batches of ``epoch`` from ``step`` on."""
+class Source(Protocol):
+    """What a pump plays: ``epochs(epoch, step)``, the batches of ``epoch`` from ``step`` on,
+    then of each epoch after it, None at the end of each (:meth:`~sparkdl._internal.data.reading.reshard.Reading.epochs`)."""
+
+    def epochs(self, epoch: int, step: int) -> Generator[Batch | None, None, None]: ...
 
 
 class _End:
@@ -137,23 +141,15 @@ def _pump(source: Source, epoch: int, step: int, out: queue.Queue[Item], stop: t
                 continue
         return False
 
-    while not stop.is_set():
-        batches: Iterator[Batch] | None = None
-        try:
-            batches = source(epoch, step)
-            for batch in batches:
-                if not put(copy.start(batch) if copy is not None else batch):
-                    return
-            if not put(END):
+    items = source.epochs(epoch, step)
+    try:
+        for batch in items:
+            if not put(END if batch is None else copy.start(batch) if copy is not None else batch):
                 return
-        except BaseException as exc:  # handed to the consumer, which raises it in the training thread
-            put(Failure(exc))
-            return
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
-        epoch, step = epoch + 1, 0
+    except BaseException as exc:  # handed to the consumer, which raises it in the training thread
+        put(Failure(exc))
+    finally:
+        items.close()
 
 
 class Pump:

@@ -102,37 +102,47 @@ def in_turn(started: Iterator[Callable[[], T]], ahead: int) -> Iterator[T]:
         yield waiting.popleft()()
 
 
-def arrow_batches(
+@dataclass(frozen=True)
+class Units:
+    """One epoch's share as units: each of ``keys`` is read into a window by ``read`` (in the
+    read-ahead thread), and ``play`` starts the batches of the windows it is given, in the order
+    of ``keys``; ``reader`` is closed when the epoch ends."""
+
+    keys: Sequence[int]
+    read: Callable[[int], Any]
+    play: Callable[[Iterator[Any]], Iterator[Callable[[], Batch]]]
+    reader: RowGroupReader
+
+
+def arrow_units(
     files: ParquetFiles,
     plan: EpochPlan,
     make: BatchMaker,
     epoch: int,
     start_step: int,
     *,
-    read_ahead: bool,
     spares: Spares | None = None,
     part: tuple[int, int] | None = None,
-) -> Iterator[Batch]:
-    """This rank's batches of ``epoch`` from step ``start_step`` on, read with pyarrow.
+) -> Units:
+    """This rank's share of ``epoch`` from step ``start_step`` on, as units to read with pyarrow.
 
-    With ``part=(i, n)``, only the batches of every ``n``-th unit from the ``i``-th on (a loader
-    worker's part, :mod:`sparkdl._internal.data.reading.workers`); :func:`unit_batches` counts
-    the batches of each unit.
+    With ``part=(i, n)``, only every ``n``-th unit from the ``i``-th on (a loader worker's part,
+    :mod:`sparkdl._internal.data.reading.workers`); :func:`unit_batches` counts the batches of
+    each unit.
 
     The share is read in units of ``plan.unit`` rows (the shuffle window, or about one row group
-    without shuffle). With ``read_ahead``, one thread reads and decodes the next unit while this
-    one's batches are served. A unit is let go as soon as its last batch is cut. With shuffle,
-    batches are copies, so a served window's arrays go to ``spares`` and the window after next
-    is read into them: the same memory serves every window of every epoch, with no pages to
-    fault in again and nothing for the allocator to hold on to.
+    without shuffle). A unit is let go as soon as its last batch is cut. With shuffle, batches
+    are copies, so a served window's arrays go to ``spares`` and the window after next is read
+    into them: the same memory serves every window of every epoch, with no pages to fault in
+    again and nothing for the allocator to hold on to.
     """
     columns = make.columns
     order = plan.row_group_order(epoch)
     unit, per_rank, b = plan.unit, plan.per_rank, plan.batch_size
     first = start_step * b
-    units = range(first // unit, -(-per_rank // unit))
+    keys = range(first // unit, -(-per_rank // unit))
     if part is not None:
-        units = units[part[0] :: part[1]]
+        keys = keys[part[0] :: part[1]]
     reader = RowGroupReader(files, plan.rg_file, plan.rg_index, plan.rg_rows, columns, make.read_threads)
     base = plan.rank * per_rank
     spare = spares if plan.shuffle else None
@@ -143,10 +153,8 @@ def arrow_batches(
         return read_window(reader, columns, share, WindowBuilder(columns, hi - lo, location(files, plan, share), spare),
                            plan.rg_start if make.samples is not None else None)
 
-    windows = read_in_turn(read, units, read_ahead=read_ahead)
-
-    def started() -> Iterator[Callable[[], Batch]]:
-        for k, data in zip(units, windows, strict=True):
+    def play(windows: Iterator[Window]) -> Iterator[Callable[[], Batch]]:
+        for k, data in zip(keys, windows, strict=True):
             n = min((k + 1) * unit, per_rank) - k * unit
             perm = plan.window_permutation(epoch, k, n) if plan.shuffle else None
             s = max(first - k * unit, 0)
@@ -158,11 +166,90 @@ def arrow_batches(
                 spare.give(data)
             del data, perm
 
-    yield from played(started(), make, windows, reader)
+    return Units(keys, read, play, reader)
+
+
+def units_batches(units: Units, make: BatchMaker, *, read_ahead: bool) -> Iterator[Batch]:
+    """The batches of one epoch's ``units``; with ``read_ahead``, the next unit read meanwhile."""
+    windows = read_in_turn(units.read, units.keys, read_ahead=read_ahead)
+    yield from played(units.play(windows), make, windows, units.reader)
+
+
+class _Later:
+    """A read not started: it runs when its result is asked for (no read-ahead)."""
+
+    def __init__(self, read: Callable[[int], Any], key: int) -> None:
+        self._read, self._key = read, key
+
+    def result(self) -> Any:
+        return self._read(self._key)
+
+
+def epoch_after_epoch(units_of: Callable[[int, int], Units], epoch: int, step: int, make: BatchMaker, *,
+                      read_ahead: bool) -> Generator[Batch | None, None, None]:
+    """The batches of ``epoch`` from ``step`` on, then of each epoch after it from its start,
+    with None at the end of each; ``units_of(epoch, step)`` gives an epoch's units.
+
+    With ``read_ahead``, one thread reads the next unit while this one's batches are served, and
+    during an epoch's last unit, the next epoch's first: an epoch does not begin by waiting for a
+    read (it took a loader worker 40-50 ms here, a shuffle window, while the loop waited), and no
+    more is held than in the middle of an epoch (the unit served and the one read). Closing the
+    generator stops the thread and closes the readers.
+    """
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkdl-read") if read_ahead else None
+
+    def submit(units: Units, i: int) -> Any:
+        key = units.keys[i]
+        return pool.submit(units.read, key) if pool is not None else _Later(units.read, key)
+
+    units: Units | None = None
+    following: list[Any] = []  # [units, first read] of the next epoch, or [error] if they could not be made
+    try:
+        units = units_of(epoch, step)
+        first = submit(units, 0) if units.keys else None
+        while True:
+            following.clear()
+
+            def windows(units: Units = units, current: Any = first, then: int = epoch + 1) -> Iterator[Any]:
+                n = len(units.keys)
+                for i in range(n):
+                    if i + 1 < n:
+                        pending = submit(units, i + 1)
+                    else:  # the last unit: the next epoch's first is read while it is served
+                        try:
+                            after = units_of(then, 0)
+                            following.extend([after, submit(after, 0) if after.keys else None])
+                        except Exception as exc:  # raised when that epoch begins, not before this one ends
+                            following.append(exc)
+                        pending = None
+                    window = current.result()
+                    current = pending  # the future served last is let go before the read after next starts
+                    yield window
+                    del window
+
+            try:
+                yield from in_turn(units.play(windows()), make.ahead)
+            finally:
+                units.reader.close()
+            yield None
+            if not following:  # an epoch without units: the next one's are made now
+                following.append(units_of(epoch + 1, 0))
+                following.append(submit(following[0], 0) if following[0].keys else None)
+            if isinstance(following[0], Exception):
+                raise following[0]
+            units, first = following
+            epoch += 1
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if following and isinstance(following[0], Units):
+            following[0].reader.close()
+        if units is not None:
+            units.reader.close()
 
 
 def unit_batches(plan: EpochPlan, start_step: int) -> list[int]:
-    """The batches of each unit that :func:`arrow_batches` plays from ``start_step`` on, in order
+    """The batches of each unit of :func:`arrow_units` from ``start_step`` on, in order
     (a unit is a multiple of the batch size, so no batch spans two)."""
     unit, per_rank, b, first = plan.unit, plan.per_rank, plan.batch_size, start_step * plan.batch_size
     return [-(-(min((k + 1) * unit, per_rank) - max(first, k * unit)) // b)

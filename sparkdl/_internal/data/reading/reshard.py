@@ -18,7 +18,7 @@ stream ranges that cover its rows, and cut into batches in the order of the posi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +32,15 @@ from sparkdl._internal.data.reading.read import (
     Batch,
     BatchMaker,
     Spares,
+    Units,
     Window,
     WindowBuilder,
-    arrow_batches,
+    arrow_units,
+    epoch_after_epoch,
     location,
-    played,
-    read_in_turn,
     read_window,
     unit_batches,
+    units_batches,
 )
 
 STATE_VERSION = 2
@@ -128,10 +129,9 @@ class Resume:
         left, unit, b = (self.per_rank - start_step * self.plan.batch_size, self.plan.unit, self.plan.batch_size)
         return [-(-min(unit, left - lo) // b) for lo in range(0, left, unit)]
 
-    def batches(self, files: ParquetFiles, make: BatchMaker, start_step: int, *, read_ahead: bool,
-                part: tuple[int, int] | None = None) -> Iterator[Batch]:
-        """This rank's batches from ``start_step`` on, read with pyarrow a unit at a time; with
-        ``part=(i, n)``, those of every ``n``-th unit from the ``i``-th on.
+    def units(self, files: ParquetFiles, make: BatchMaker, start_step: int, part: tuple[int, int] | None = None) -> Units:
+        """This rank's rest of the epoch from ``start_step`` on, as units read with pyarrow; with
+        ``part=(i, n)``, every ``n``-th unit from the ``i``-th on.
 
         Each unit holds its rows and at most ``plan.unit`` rows between them that are read and
         not used (other ranks' or consumed rows), traded for fewer, longer reads.
@@ -154,19 +154,18 @@ class Resume:
             j = np.searchsorted(starts, part, side="right") - 1
             return window, offsets[j] + part - starts[j]
 
-        units = range(-(-len(wanted) // unit))
+        keys = range(-(-len(wanted) // unit))
         if part is not None:
-            units = units[part[0] :: part[1]]
-        windows = read_in_turn(read, units, read_ahead=read_ahead)
+            keys = keys[part[0] :: part[1]]
         epoch = self.epoch
 
-        def started() -> Iterator[Callable[[], Batch]]:
+        def play(windows: Iterator[tuple[Window, np.ndarray]]) -> Iterator[Callable[[], Batch]]:
             for data, rows in windows:
                 for s in range(0, len(rows), b):
                     yield make.start(data, rows[s : s + b], epoch)
                 del data, rows
 
-        yield from played(started(), make, windows, reader)
+        return Units(keys, read, play, reader)
 
 
 @dataclass(frozen=True)
@@ -188,12 +187,34 @@ class Reading:
         """The batches of ``epoch`` from ``step`` on: the rest of a resharded epoch when ``resume``
         is that epoch's, else from the chosen reader as planned. ``part=(i, n)`` (``reader="arrow"``):
         only those of every ``n``-th unit from the ``i``-th on, counted by :meth:`unit_batches`."""
-        if self.resume is not None and self.resume.epoch == epoch:
-            return self.resume.batches(self.files, self.make, step, read_ahead=self.read_ahead, part=part)
-        if self.reader == "petastorm":
+        if self.reader == "petastorm" and not (self.resume is not None and self.resume.epoch == epoch):
             return petastorm_batches(self.files, self.plan, self.make, self.petastorm_workers, epoch, step)
-        return arrow_batches(self.files, self.plan, self.make, epoch, step, read_ahead=self.read_ahead,
-                             spares=self.spares, part=part)
+        return units_batches(self.units(epoch, step, part), self.make, read_ahead=self.read_ahead)
+
+    def units(self, epoch: int, step: int, part: tuple[int, int] | None = None) -> Units:
+        """``epoch``'s units from ``step`` on (``reader="arrow"``, or a resharded epoch)."""
+        if self.resume is not None and self.resume.epoch == epoch:
+            return self.resume.units(self.files, self.make, step, part)
+        return arrow_units(self.files, self.plan, self.make, epoch, step, spares=self.spares, part=part)
+
+    def epochs(self, epoch: int, step: int, part: tuple[int, int] | None = None) -> Generator[Batch | None, None, None]:
+        """The batches of ``epoch`` from ``step`` on, then of every epoch after it from its
+        start, None at the end of each: what the prefetch thread and the loader's workers play.
+        With the Arrow reader and ``read_ahead``, the next epoch's first unit is read during this
+        one's last (:func:`~sparkdl._internal.data.reading.read.epoch_after_epoch`)."""
+        if self.reader != "petastorm":
+            yield from epoch_after_epoch(lambda e, s: self.units(e, s, part), epoch, step, self.make, read_ahead=self.read_ahead)
+            return
+        while True:
+            batches = self(epoch, step, part)
+            try:
+                yield from batches
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
+            yield None
+            epoch, step = epoch + 1, 0
 
     def unit_batches(self, epoch: int, step: int) -> list[int]:
         """The batches of each unit of ``epoch`` from ``step`` on (``reader="arrow"``), in order."""

@@ -95,27 +95,23 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
     # fast (every row group's buffers mapped and faulted in afresh) for the same peak memory.
     slots, sent = Slots(conn, parent, returns, keep=ahead + 2), 0
     told = (skipped.count, len(skipped.examples)) if skipped is not None else (0, 0)
+    items, given = source.epochs(epoch, step, part), 0
     try:
-        while True:
-            batches, given = source(epoch, step, part), 0
-            try:
-                for batch in batches:
-                    given += 1
-                    message = slots.pack(batch)
-                    if not _wait_for_room(taken, part[0], sent, ahead, stop, parent):
-                        return
-                    sent += 1
-                    if skipped is not None and (skipped.count, len(skipped.examples)) != told:
-                        message += (skipped.count - told[0], skipped.examples[told[1] :])
-                        told = (skipped.count, len(skipped.examples))
-                    conn.send(message)
-            finally:
-                close = getattr(batches, "close", None)
-                if close is not None:
-                    close()
-            if not given and step == 0 and not (source.resume is not None and source.resume.epoch == epoch):
-                return  # more workers than an epoch's units: this one has none in any epoch
-            epoch, step = epoch + 1, 0
+        for batch in items:
+            if batch is None:  # the end of an epoch
+                if not given and step == 0 and not (source.resume is not None and source.resume.epoch == epoch):
+                    return  # more workers than an epoch's units: this one has none in any epoch
+                epoch, step, given = epoch + 1, 0, 0
+                continue
+            given += 1
+            message = slots.pack(batch)
+            if not _wait_for_room(taken, part[0], sent, ahead, stop, parent):
+                return
+            sent += 1
+            if skipped is not None and (skipped.count, len(skipped.examples)) != told:
+                message += (skipped.count - told[0], skipped.examples[told[1] :])
+                told = (skipped.count, len(skipped.examples))
+            conn.send(message)
     except BaseException as exc:  # handed to the training process, which raises it
         with contextlib.suppress(Exception):
             try:
@@ -123,6 +119,7 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
             except Exception:
                 conn.send(("failure", pickle.dumps(DatasetError(f"{type(exc).__name__}: {exc}"))))
     finally:
+        items.close()
         with contextlib.suppress(Exception):
             conn.close()
 
