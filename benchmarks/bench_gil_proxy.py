@@ -1,6 +1,7 @@
 """The loader in worker processes (``workers=N``) against its threads (``workers=0``), in one run.
 
     .venv/bin/python benchmarks/bench_gil_proxy.py [--rows 2000000] [--workers 1 2] [--epochs 3] [--proxy-runs 2]
+                                                   [--deep-prefetch 16]
 
 It writes bench_feed.py's data (an int64 label and a list of 32 float32, 8 files, 50,000-row row
 groups) and measures, each contender in a fresh process of its own:
@@ -15,8 +16,10 @@ groups) and measures, each contender in a fresh process of its own:
 2. **GIL-bound proxy** (issue 58): a training loop whose "GPU step" is a fixed amount of
    GIL-holding Python (a counted loop), calibrated here so that the loop alone runs at 60% of
    the thread loader's batch rate (shuffle, ``--proxy-batch-size``), fed by the loader on threads
-   and with ``workers=N``: data wait (time in ``next()`` over the loop's time, after the first
-   batch) and steps/s. Goal: data wait < 5% with workers where threads do not reach it.
+   and with ``workers=N`` (the default ``prefetch=4``), then threads and ``workers=1`` with
+   ``prefetch=--deep-prefetch``: data wait (time in ``next()`` over the loop's time, after the
+   first batch) and steps/s against threads with the same prefetch. Goal: data wait < 5% with
+   workers where threads do not reach it.
 3. **A loop that does not hold the GIL**: the same step time spent in ``time.sleep``; goal:
    ``workers=N`` steps/s >= 0.95x the threads'.
 
@@ -89,8 +92,9 @@ class TreeMemory:
         self.sample()
 
 
-def _loader(data: Path, batch_size: int, shuffle: bool, workers: int) -> Any:
-    return sparkdl.Dataset(data).loader(batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1, workers=workers)
+def _loader(data: Path, batch_size: int, shuffle: bool, workers: int, prefetch: int = 4) -> Any:
+    return sparkdl.Dataset(data).loader(batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1, workers=workers,
+                                        prefetch=prefetch)
 
 
 def _epochs_of(name: str, data: Path, batch_size: int) -> Any:
@@ -140,9 +144,10 @@ def _timed(fn: Any, arg: int) -> float:
     return time.perf_counter() - t0
 
 
-def proxy(workers: int, data: Path, batch_size: int, epochs: int, step: int, sleep_s: float) -> dict[str, Any]:
+def proxy(workers: int, prefetch: int, data: Path, batch_size: int, epochs: int, step: int,
+          sleep_s: float) -> dict[str, Any]:
     """The loop with the loader: ``spin(step)`` per batch (or ``time.sleep(sleep_s)`` when step is 0)."""
-    loader = _loader(data, batch_size, True, workers)
+    loader = _loader(data, batch_size, True, workers, prefetch)
     waits, steps = 0.0, 0
     with loader:
         it = iter(loader)
@@ -183,6 +188,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--proxy-runs", type=int, default=2, help="rounds of the proxy loops (threads, then each workers=N)")
+    parser.add_argument("--deep-prefetch", type=int, default=16,
+                        help="the proxy also runs threads and workers=1 with this prefetch (0: not)")
     parser.add_argument("--dir", default=None, help="where to write the data (default: a temp dir, removed after)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one measurement, in this process
     args = parser.parse_args()
@@ -193,7 +200,8 @@ def main() -> None:
         if what["kind"] == "feed":
             out = feed(what["name"], data, what["batch_size"], what["epochs"])
         else:
-            out = proxy(what["workers"], data, what["batch_size"], what["epochs"], what["step"], what["sleep_s"])
+            out = proxy(what["workers"], what["prefetch"], data, what["batch_size"], what["epochs"], what["step"],
+                        what["sleep_s"])
         print(json.dumps(out))
         return
     data.mkdir(parents=True, exist_ok=True)
@@ -236,15 +244,20 @@ def main() -> None:
               f"{alone_s * 1e3:.2f} ms alone (median of 21) ({WORKLOAD_SHARE:.0%} of the loader's rate, "
               f"{WORKLOAD_SHARE * loader_rate:.0f} steps/s)")
         for label, spin_step, sleep_s in (("GIL-holding step", step, 0.0), ("time.sleep step", 0, step_s)):
+            # (workers, prefetch): the default prefetch (4), then threads and one worker with a deeper one.
+            contenders = [(0, 4), *((w, 4) for w in args.workers)]
+            if args.deep_prefetch:
+                contenders += [(0, args.deep_prefetch), (1, args.deep_prefetch)]
             for run in range(args.proxy_runs):  # threads and workers in turn, so that both see the same machine
                 runs = {}
-                for w in [0, *args.workers]:
-                    runs[w] = _in_process(args, data, {"kind": "proxy", "workers": w, "batch_size": b,
-                                                       "epochs": args.epochs, "step": spin_step, "sleep_s": sleep_s})
-                for w, r in runs.items():
-                    kind = "threads" if w == 0 else f"workers={w}"
-                    ratio = "" if w == 0 else f"  {r['steps_s'] / runs[0]['steps_s']:.2f}x threads' steps/s"
-                    print(f"  {label:<17} run {run + 1} {kind:<10} data wait {r['wait_pct']:5.1f}%  "
+                for w, pf in contenders:
+                    runs[(w, pf)] = _in_process(args, data, {"kind": "proxy", "workers": w, "prefetch": pf,
+                                                             "batch_size": b, "epochs": args.epochs,
+                                                             "step": spin_step, "sleep_s": sleep_s})
+                for (w, pf), r in runs.items():
+                    kind = ("threads" if w == 0 else f"workers={w}") + ("" if pf == 4 else f", prefetch {pf}")
+                    ratio = "" if w == 0 else f"  {r['steps_s'] / runs[(0, pf)]['steps_s']:.2f}x threads' steps/s"
+                    print(f"  {label:<17} run {run + 1} {kind:<22} data wait {r['wait_pct']:5.1f}%  "
                           f"{r['steps_s']:6.1f} steps/s{ratio}", flush=True)
     finally:
         if not args.dir:

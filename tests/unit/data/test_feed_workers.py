@@ -201,6 +201,27 @@ def test_a_workers_error_is_the_thread_paths_named_error(tmp_path: Path) -> None
     assert str(procs.value) == str(threads.value)
 
 
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_an_error_comes_after_every_batch_made_before_it(ds: Dataset, workers: int) -> None:
+    # A worker that fails has published the batches before its error: the loop gets them all,
+    # in order, then the error, as on threads (each worker's batches and error share one order).
+    kwargs: dict[str, Any] = dict(shuffle=True, seed=3, rank=0, world_size=1, shuffle_window=160)
+    expected = [b["id"].tolist() for b in ds.loader(16, **kwargs)]
+    bad = expected[6][0]
+
+    def fail_on_the_seventh(batch: dict[str, Any]) -> dict[str, Any]:
+        if int(batch["id"][0]) == bad:
+            raise ValueError("bad batch")
+        return batch
+
+    got: list[list[int]] = []
+    with pytest.raises(ValueError, match="bad batch"):
+        for b in ds.loader(16, transform=fail_on_the_seventh, workers=workers, prefetch=4, **kwargs):
+            got.append(b["id"].tolist())
+    # With several workers the others may run ahead, but no batch after the failed one arrives.
+    assert got == expected[:6]
+
+
 def test_a_decode_functions_error_names_the_row(tmp_path: Path) -> None:
     pq.write_table(pa.table({"b": pa.array([bytes([i]) for i in range(60)])}), tmp_path / "a.parquet")
     ds = Dataset(tmp_path)

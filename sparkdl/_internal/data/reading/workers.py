@@ -6,22 +6,29 @@ the training process's GIL. The training process only maps finished batches.
 
 **Order.** An epoch's share is read in units (shuffle windows, or about a row group without
 shuffle), each a whole number of batches. Worker ``i`` plays units ``i, i + N, i + 2N, ...`` of
-every epoch from the loader's position on (:meth:`Reading.__call__` with ``part``), and the
+every epoch from the loader's position on (:meth:`Reading.epochs` with ``part``), and the
 training process takes each batch from the worker whose unit it belongs to
 (:meth:`Reading.unit_batches` counts them). Every worker computes its units from the plan as the
 thread path does, so the rows, their order and the resume position are the thread path's, for
-any ``N``.
+any ``N``. A worker reads its next unit while it serves one, and the next epoch's first during
+this epoch's last.
 
-**Shared memory** (:mod:`~sparkdl._internal.data.reading.slots`). A worker copies each finished batch's tensors into a slot: an anonymous
-``memfd`` it created and handed to the training process once, over their socket (no file in
-``/dev/shm``, so nothing is left behind however either side ends). Only a small header (offsets,
-dtypes, shapes; strings and bytes columns as values) is pickled. The training process's tensors
-are views of the slot, not copies; when the last tensor of a batch is let go, its slot goes back
-to the worker for a later batch (through a ring in shared memory), so a few slots serve the whole
-run, and a loop that keeps its batches makes the worker map new slots rather than wait (and unmap
-them once they come back). ``prefetch`` bounds the batches the workers have ready ahead of the
-loop: the loop counts the batches it took in shared memory and a worker that is ahead polls that
-count, so taking a batch wakes no other process (each wake-up cost the loop 30-60 us here).
+**Shared memory** (:mod:`~sparkdl._internal.data.reading.slots`). A worker writes each finished
+batch into a slot, a small pickled header (offsets, dtypes, shapes; strings and bytes columns as
+values) and the tensors; a slot is an anonymous ``memfd`` it created and handed to the training
+process once, over their socket (no file in ``/dev/shm``, so nothing is left behind however
+either side ends). It publishes the slot's number in a ring in shared memory, where the training
+process takes it without a system call; the tensors it hands out are views of the slot, not
+copies. When the last tensor of a batch is let go, its slot goes back to the worker for a later
+batch (through another ring), so a few slots serve the whole run, and a loop that keeps its
+batches makes the worker map new slots rather than wait (and unmap them once they come back).
+``prefetch`` bounds the batches the workers have ready ahead of the loop: the loop counts the
+batches it took in shared memory and a worker that is ahead polls that count, so taking a batch
+wakes no other process (each wake-up cost the loop 30-60 us here). Only a loop that found nothing
+ready waits on the socket, and the worker then wakes it with a message when it publishes. What
+the socket carries (new slots, dropped slots, the worker's error) is counted in shared memory
+too, so the loop reads it only when there is something; an error is raised after the batches
+the worker published before it.
 
 **Lifetime.** Workers are children of the rank: forked when an iteration starts (and kept for
 the epochs after it, like the prefetch thread), ended by :meth:`Workers.close` (``break``, a new
@@ -52,7 +59,7 @@ from sparkdl._internal.common import proctree
 from sparkdl._internal.common.errors import DatasetError
 from sparkdl._internal.data.reading.prefetch import END, DeviceCopy, Failure, Item
 from sparkdl._internal.data.reading.read import Batch, pin_batch
-from sparkdl._internal.data.reading.slots import Mapped, Returns, Slots
+from sparkdl._internal.data.reading.slots import Mailbox, Mapped, Returns, Slots
 
 if TYPE_CHECKING:
     from sparkdl._internal.data.decoding.samples import Skipped
@@ -85,7 +92,8 @@ def _wait_for_room(taken: Any, i: int, sent: int, ahead: int, stop: Any, parent:
 
 
 def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: Connection, taken: Any,
-          returns: Returns, ahead: int, stop: Any, parent: int, by_main_thread: bool, skipped: Skipped | None) -> None:
+          returns: Returns, mailbox: Mailbox, ahead: int, stop: Any, parent: int, by_main_thread: bool,
+          skipped: Skipped | None) -> None:
     """A worker: its units' batches, epoch after epoch, into slots, until stopped or orphaned."""
     _die_with_parent(parent, by_main_thread)
     import torch
@@ -93,9 +101,13 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
     torch.set_num_threads(1)  # a process of its own, as torch's DataLoader workers
     # Arrow's own pool (mimalloc) stays: with the system allocator a worker read 0.6-0.7x as
     # fast (every row group's buffers mapped and faulted in afresh) for the same peak memory.
-    slots, sent = Slots(conn, parent, returns, keep=ahead + 2), 0
+    slots, sent = Slots(conn, parent, returns, mailbox, keep=ahead + 2), 0
     told = (skipped.count, len(skipped.examples)) if skipped is not None else (0, 0)
     items, given = source.epochs(epoch, step, part), 0
+
+    def orphaned() -> bool:
+        return stop.is_set() or os.getppid() != parent
+
     try:
         for batch in items:
             if batch is None:  # the end of an epoch
@@ -104,20 +116,28 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
                 epoch, step, given = epoch + 1, 0, 0
                 continue
             given += 1
-            message = slots.pack(batch)
+            extra: tuple[Any, ...] = ()
+            if skipped is not None and (skipped.count, len(skipped.examples)) != told:
+                extra = (skipped.count - told[0], skipped.examples[told[1] :])
+                told = (skipped.count, len(skipped.examples))
+            slot = slots.pack(batch, extra)
+            del batch
             if not _wait_for_room(taken, part[0], sent, ahead, stop, parent):
                 return
             sent += 1
-            if skipped is not None and (skipped.count, len(skipped.examples)) != told:
-                message += (skipped.count - told[0], skipped.examples[told[1] :])
-                told = (skipped.count, len(skipped.examples))
-            conn.send(message)
-    except BaseException as exc:  # handed to the training process, which raises it
+            waits = mailbox.publish(slot, orphaned)
+            if waits is None:
+                return
+            if waits:  # the loop found nothing and waits on the socket
+                conn.send(("wake",))
+                mailbox.sent()
+    except BaseException as exc:  # handed to the training process, which raises it after the batches before it
         with contextlib.suppress(Exception):
             try:
                 conn.send(("failure", pickle.dumps(exc)))
             except Exception:
                 conn.send(("failure", pickle.dumps(DatasetError(f"{type(exc).__name__}: {exc}"))))
+            mailbox.sent()
     finally:
         items.close()
         with contextlib.suppress(Exception):
@@ -145,16 +165,19 @@ class Workers:
         self._taken = context.RawArray(ctypes.c_int64, workers)
         self._returns = [Returns(context) for _ in range(workers)]
         self._mapped = Mapped(self._returns)
+        ahead = max(1, -(-prefetch // workers))
+        self._mailboxes = [Mailbox(context, ahead + 2) for _ in range(workers)]
+        self._read = [0] * workers  # messages read from each worker's socket
+        self._failed: list[BaseException | None] = [None] * workers  # raised once its batches before it are taken
         self._procs: list[Any] = []
         self._closed = False
         by_main = threading.current_thread() is threading.main_thread()
-        ahead = max(1, -(-prefetch // workers))
         for i in range(workers):
             mine, theirs = context.Pipe(duplex=True)
             proc = context.Process(
                 target=_work, name=f"sparkdl-loader-{i}", daemon=True,
-                args=(source, (i, workers), epoch, step, theirs, self._taken, self._returns[i], ahead, self._stop, os.getpid(), by_main,
-                      skipped))
+                args=(source, (i, workers), epoch, step, theirs, self._taken, self._returns[i], self._mailboxes[i], ahead,
+                      self._stop, os.getpid(), by_main, skipped))
             proc.start()
             theirs.close()
             self._conns.append(mine)
@@ -198,20 +221,54 @@ class Workers:
         return self._copy.start(batch) if self._copy is not None else batch
 
     def _receive(self, w: int) -> Batch | None:
-        """The next batch from worker ``w``: None when it died; its error raised."""
+        """The next batch from worker ``w``: None when it died; its error raised (after the
+        batches it published before it)."""
         if not self._closed:
             self._mapped.give_back(self._conns)
-        conn, proc = self._conns[w], self._procs[w]
+        mailbox, proc = self._mailboxes[w], self._procs[w]
         while True:
-            # Bounded by the worker's life: it sends a batch or its error, or it ends.
+            if mailbox.messages() != self._read[w] and not self._read_messages(w):
+                return None
+            slot = mailbox.take(self._taken[w])
+            if slot is not None:
+                while not self._mapped.has(w, slot):  # its ("slot", ...) message came before it: read it
+                    if not self._read_messages(w, wait=True):
+                        return None
+                self._taken[w] += 1
+                batch, extra = self._mapped.unpack(w, slot)
+                if extra and self._skipped is not None:
+                    self._skipped.merge(*extra)
+                return batch
+            failed = self._failed[w]
+            if failed is not None:
+                raise failed
+            # Nothing published: the worker wakes the loop by a message when it publishes.
+            # Bounded by the worker's life: it publishes a batch, sends its error, or ends.
             # One poll object per worker, kept: Connection.poll builds a selector each call.
-            while not self._polls[w].poll(0) and not self._polls[w].poll(_POLL_S * 1000):
-                if not proc.is_alive() and not conn.poll(0):
+            readable = self._polls[w].poll(_POLL_S * 1000)
+            if mailbox.messages() != self._read[w]:
+                continue
+            if not proc.is_alive():  # it ended: what it published and sent before is all there is
+                if mailbox.take(self._taken[w]) is None and mailbox.messages() == self._read[w]:
                     return None
+            elif readable:  # a message whose count is on its way, or the socket closed as it ends
+                time.sleep(0.0005)
+
+    def _read_messages(self, w: int, wait: bool = False) -> bool:
+        """Reads worker ``w``'s messages counted so far (with ``wait``, at least one, waiting for
+        it): new slots mapped, dropped ones let go, its error kept to raise after the batches it
+        published before it. False when its socket closed (it died)."""
+        conn = self._conns[w]
+        while self._read[w] < self._mailboxes[w].messages() or wait:
+            wait = False
+            while not self._polls[w].poll(_POLL_S * 1000):
+                if not self._procs[w].is_alive() and not conn.poll(0):
+                    return False
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                return None
+                return False
+            self._read[w] += 1
             kind = message[0]
             if kind == "slot":
                 _, slot, size = message
@@ -223,12 +280,8 @@ class Workers:
             elif kind == "drop":
                 self._mapped.drop(w, message[1])
             elif kind == "failure":
-                raise pickle.loads(message[1])
-            else:
-                self._taken[w] += 1
-                if len(message) > 3 and self._skipped is not None:
-                    self._skipped.merge(message[3], message[4])
-                return self._mapped.unpack(w, message[1], message[2])
+                self._failed[w] = pickle.loads(message[1])
+        return True
 
     def close(self) -> None:
         """Ends the workers (killed if they do not end within ``JOIN_S``) and lets their slots go
