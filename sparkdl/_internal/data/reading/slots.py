@@ -120,7 +120,8 @@ class Mailbox:
         return waits
 
     def sent(self) -> None:
-        """Counts a message the worker wrote to its socket (only the worker writes this count)."""
+        """Counts a message the worker is about to write to its socket (only the worker writes this
+        count; counted first, so that a loop woken by the message finds it counted)."""
         self._counts[1] += 1
 
     def messages(self) -> int:
@@ -146,7 +147,7 @@ class Slots:
     """A worker's slots: memfd mappings, each handed to the training process once by its number
     (a ``("slot", number, size)`` message, then its file descriptor), over ``conn``; ``keep``:
     the free slots kept for later batches (the rest are unmapped, and ``("drop", number)`` sent).
-    Each message is counted in ``mailbox``."""
+    Each message is counted in ``mailbox`` before it is sent."""
 
     def __init__(self, conn: Connection, parent: int, returns: Returns, mailbox: Mailbox, keep: int) -> None:
         self._conn, self._parent, self._returns, self._mailbox, self._keep = conn, parent, returns, mailbox, keep
@@ -211,9 +212,9 @@ class Slots:
 
             self._maps[self._next] = mmap.mmap(fd, size)
             self._views[self._next] = torch.frombuffer(self._maps[self._next], dtype=torch.uint8)
+            self._mailbox.sent()
             self._conn.send(("slot", self._next, size))
             send_handle(self._conn, fd, self._parent)
-            self._mailbox.sent()
         finally:
             os.close(fd)
         self._next += 1
@@ -223,8 +224,8 @@ class Slots:
         self._free.remove(slot)
         del self._views[slot]
         self._maps.pop(slot).close()
-        self._conn.send(("drop", slot))
         self._mailbox.sent()
+        self._conn.send(("drop", slot))
 
 
 def _base(header: int) -> int:

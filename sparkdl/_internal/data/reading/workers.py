@@ -129,15 +129,16 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
             if waits is None:
                 return
             if waits:  # the loop found nothing and waits on the socket
-                conn.send(("wake",))
                 mailbox.sent()
+                conn.send(("wake",))
     except BaseException as exc:  # handed to the training process, which raises it after the batches before it
         with contextlib.suppress(Exception):
             try:
-                conn.send(("failure", pickle.dumps(exc)))
+                failure = pickle.dumps(exc)
             except Exception:
-                conn.send(("failure", pickle.dumps(DatasetError(f"{type(exc).__name__}: {exc}"))))
+                failure = pickle.dumps(DatasetError(f"{type(exc).__name__}: {exc}"))
             mailbox.sent()
+            conn.send(("failure", failure))
     finally:
         items.close()
         with contextlib.suppress(Exception):
@@ -251,8 +252,8 @@ class Workers:
             if not proc.is_alive():  # it ended: what it published and sent before is all there is
                 if mailbox.take(self._taken[w]) is None and mailbox.messages() == self._read[w]:
                     return None
-            elif readable:  # a message whose count is on its way, or the socket closed as it ends
-                time.sleep(0.0005)
+            elif readable:  # messages are counted before they are sent: its socket closed as it ends
+                time.sleep(0.001)
 
     def _read_messages(self, w: int, wait: bool = False) -> bool:
         """Reads worker ``w``'s messages counted so far (with ``wait``, at least one, waiting for
