@@ -3,9 +3,8 @@
 A :class:`Pump` is the thread: it plays an epoch from a step into a bounded queue and then goes
 on into the next epochs, each from its start (the queue bounds how far ahead it gets); the next
 epoch's first window is read while this epoch's last is served, so an epoch does not begin by
-waiting for a read. An
-:class:`Iteration` is one pass over one epoch, taken from a pump or, without prefetch, from the
-batch iterator directly. The thread holds the batch source, the queue and a stop event, never
+waiting for a read. An :class:`Iteration` is one pass over one epoch, taken from a pump or,
+without prefetch, from the batch iterator directly. The thread holds the batch source, the queue and a stop event, never
 the pass or the loader, so dropping them stops it; an error in the thread is handed over and
 raised in the training thread.
 

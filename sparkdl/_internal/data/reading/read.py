@@ -202,11 +202,15 @@ def epoch_after_epoch(units_of: Callable[[int, int], Units], epoch: int, step: i
         key = units.keys[i]
         return pool.submit(units.read, key) if pool is not None else _Later(units.read, key)
 
+    def begin(e: int, s: int) -> list[Any]:
+        """[epoch ``e``'s units from step ``s``, the read of its first unit (None without units)]."""
+        units = units_of(e, s)
+        return [units, submit(units, 0) if units.keys else None]
+
     units: Units | None = None
     following: list[Any] = []  # [units, first read] of the next epoch, or [error] if they could not be made
     try:
-        units = units_of(epoch, step)
-        first = submit(units, 0) if units.keys else None
+        units, first = begin(epoch, step)
         while True:
             following.clear()
 
@@ -217,8 +221,7 @@ def epoch_after_epoch(units_of: Callable[[int, int], Units], epoch: int, step: i
                         pending = submit(units, i + 1)
                     else:  # the last unit: the next epoch's first is read while it is served
                         try:
-                            after = units_of(then, 0)
-                            following.extend([after, submit(after, 0) if after.keys else None])
+                            following.extend(begin(then, 0))
                         except Exception as exc:  # raised when that epoch begins, not before this one ends
                             following.append(exc)
                         pending = None
@@ -233,8 +236,7 @@ def epoch_after_epoch(units_of: Callable[[int, int], Units], epoch: int, step: i
                 units.reader.close()
             yield None
             if not following:  # an epoch without units: the next one's are made now
-                following.append(units_of(epoch + 1, 0))
-                following.append(submit(following[0], 0) if following[0].keys else None)
+                following.extend(begin(epoch + 1, 0))
             if isinstance(following[0], Exception):
                 raise following[0]
             units, first = following
