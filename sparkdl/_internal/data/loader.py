@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
 from sparkdl._internal.common.errors import ConfigError, NotInRunError
@@ -218,7 +218,8 @@ class Loader:
 
     @property
     def skipped(self) -> int:
-        """Bad samples left out so far (``on_bad_sample="skip"``), all epochs together."""
+        """Bad samples left out of the batches taken so far (``on_bad_sample="skip"``), all epochs
+        together; not those of batches prepared ahead and not yet taken."""
         return self._samples.skipped.count if self._samples is not None else 0
 
     @property
@@ -311,9 +312,11 @@ class Loader:
         # After a pass that ran to its end, its pump is under way with this epoch already.
         if (self._prefetch or self._workers) and (self._pump is None or self._pump_at != at):
             self._stop_pump()
-            self._pump = self._start_workers(at) if self._workers else Pump(self._source, *at, self._prefetch, self._copy)
+            self._pump = (self._start_workers(at) if self._workers
+                          else Pump(self._source, *at, self._prefetch, self._copy, self._samples))
         self._pump_at = None
-        source: Feed | Iterator[Batch] = self._pump if self._pump is not None else self._source(*at)
+        source: Feed | Iterator[Batch] = (self._pump if self._pump is not None
+                                          else _counted(self._source(*at), self._samples))
         self._active = Iteration(source, on_batch=self._consumed, on_end=self._finished, copy=self._copy)
         return self._active
 
@@ -323,7 +326,7 @@ class Loader:
         source = dataclasses.replace(self._source, read_ahead=self._prefetch > 0,
                                      make=dataclasses.replace(self._source.make, pin=False))
         return Workers(source, *at, workers=self._workers, prefetch=max(1, self._prefetch), pin=self._pin,
-                       copy=self._copy, skipped=self._samples.skipped if self._samples is not None else None)
+                       copy=self._copy, samples=self._samples)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -351,6 +354,28 @@ class Loader:
             self._active = None
             self._pump_at = (self._epoch, 0)
             self._set_resume(None)  # the pump, under way with the next epoch, reads it as planned
+
+
+def _counted(batches: Iterator[Batch], samples: SampleMap | None) -> Iterator[Batch]:
+    """``batches`` made as the loop takes them (no prefetch): the bad samples met making each
+    count in ``loader.skipped`` at once."""
+    if samples is None:
+        return batches
+    return _counting(batches, samples)
+
+
+def _counting(batches: Iterator[Batch], samples: SampleMap) -> Generator[Batch, None, None]:
+    mark = samples.found.mark()
+    try:
+        for batch in batches:
+            met, mark = samples.found.since(mark)
+            if met[0]:
+                samples.skipped.merge(*met)
+            yield batch
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

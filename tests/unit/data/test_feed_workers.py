@@ -239,6 +239,31 @@ def test_a_decode_functions_error_names_the_row(tmp_path: Path) -> None:
     assert rows == [i for i in range(60) if i != 42] and loader.skipped == 1
 
 
+@pytest.mark.parametrize("prefetch", [0, 8])
+def test_skipped_counts_the_bad_samples_of_the_batches_taken(tmp_path: Path, prefetch: int) -> None:
+    # The prefetch thread decodes the next epoch's batches (row 42's among them) before the loop
+    # asks for them; loader.skipped counts one bad sample per epoch taken all the same.
+    pq.write_table(pa.table({"b": pa.array([bytes([i]) for i in range(60)])}), tmp_path / "a.parquet")
+
+    def decode(value: bytes, rng: Any) -> np.ndarray:
+        if value[0] == 42:
+            raise ValueError("not an image")
+        return np.frombuffer(value, dtype=np.uint8)
+
+    loader = Dataset(tmp_path).loader(8, rank=0, world_size=1, shuffle=False, decode={"b": decode},
+                                      on_bad_sample="skip", prefetch=prefetch)
+    with loader:
+        assert len(list(loader)) == 8
+        if prefetch:  # the thread has met epoch 1's bad sample, ahead of the loop
+            found = loader._samples.found  # type: ignore[union-attr]
+            deadline = time.monotonic() + 10
+            while found.count < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert found.count == 2
+        assert loader.skipped == 1
+        assert len(list(loader)) == 8 and loader.skipped == 2
+
+
 def test_a_killed_worker_is_named(ds: Dataset) -> None:
     loader = ds.loader(16, rank=0, world_size=1, workers=2, prefetch=1)
     it = iter(loader)

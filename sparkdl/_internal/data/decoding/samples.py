@@ -84,10 +84,21 @@ class Skipped:
                 log.warning("sparkdl loader: skipped a bad sample (on_bad_sample='skip'): %s", reason)
 
     def merge(self, count: int, examples: Sequence[str]) -> None:
-        """Adds what a loader worker process counted (it logged its examples itself)."""
+        """Adds what was counted elsewhere (and logged there)."""
         with self._lock:
             self.count += count
             self.examples.extend(examples[: max(0, _EXAMPLES - len(self.examples))])
+
+    def mark(self) -> tuple[int, int]:
+        """Where the count stands, for :meth:`since`."""
+        with self._lock:
+            return self.count, len(self.examples)
+
+    def since(self, mark: tuple[int, int]) -> tuple[tuple[int, list[str]], tuple[int, int]]:
+        """What was added after ``mark`` (a count and its examples, for :meth:`merge`), and the
+        mark from here on."""
+        with self._lock:
+            return (self.count - mark[0], self.examples[mark[1] :]), (self.count, len(self.examples))
 
 
 # A process worker's functions: set once per forked worker by the pool's initializer.
@@ -173,6 +184,11 @@ class SampleMap:
         self.workers = workers
         self.on_bad = on_bad_sample
         self.where = where
+        # Bad samples met while decoding (the prefetch thread's or a worker's, maybe batches ahead,
+        # logged as met), and those of the batches handed out: ``loader.skipped``, the same
+        # whether or not batches were prepared ahead (an epoch's count does not take in the next
+        # epoch's batches that the prefetch thread decoded before the loop read it).
+        self.found = Skipped()
         self.skipped = Skipped()
         self._kind = worker_kind
         self._batched: dict[str, Any] = {n: f for n, f in self.fns.items() if getattr(f, "batched", False)}
@@ -300,7 +316,7 @@ class Pending:
             )
         keep = [i for i in range(n) if i not in bad_rows]
         for i in sorted(bad_rows):
-            owner.skipped.add(bad_rows[i])
+            owner.found.add(bad_rows[i])
         if ROW in outputs:  # the row function's columns are the batch
             done = outputs.pop(ROW)
             rows_out = [done[i] for i in keep]

@@ -31,6 +31,8 @@ from sparkdl._internal.data.reading.read import Batch
 if TYPE_CHECKING:
     import torch
 
+    from sparkdl._internal.data.decoding.samples import SampleMap, Skipped
+
 class Source(Protocol):
     """What a pump plays: ``epochs(epoch, step)``, the batches of ``epoch`` from ``step`` on,
     then of each epoch after it, None at the end of each (:meth:`~sparkdl._internal.data.reading.reshard.Reading.epochs`)."""
@@ -127,14 +129,25 @@ Item: TypeAlias = Batch | _Copying | _End | Failure
 """What a pump hands over: a batch (or its copy under way), an epoch's end, or a failure."""
 
 
-def _pump(source: Source, epoch: int, step: int, out: queue.Queue[Item], stop: threading.Event,
-          copy: DeviceCopy | None) -> None:
-    """The background thread: epoch after epoch into the bounded queue, until told to stop."""
+_Found: TypeAlias = tuple[int, list[str]]
+"""Bad samples met while a batch was made (``on_bad_sample="skip"``): a count and examples."""
+_NONE_FOUND: _Found = (0, [])
+
+
+def _pump(source: Source, epoch: int, step: int, out: queue.Queue[tuple[Item, _Found]], stop: threading.Event,
+          copy: DeviceCopy | None, found: Skipped | None) -> None:
+    """The background thread: epoch after epoch into the bounded queue, until told to stop; each
+    item with the bad samples met while it was made (from ``found``)."""
+    mark = found.mark() if found is not None else (0, 0)
 
     def put(item: Item) -> bool:
+        nonlocal mark
+        met = _NONE_FOUND
+        if found is not None:
+            met, mark = found.since(mark)
         while not stop.is_set():
             try:
-                out.put(item, timeout=0.1)
+                out.put((item, met), timeout=0.1)
                 return True
             except queue.Full:
                 continue
@@ -153,30 +166,41 @@ def _pump(source: Source, epoch: int, step: int, out: queue.Queue[Item], stop: t
 
 class Pump:
     """A thread that prepares the batches of ``epoch`` from ``step`` on, then of the epochs
-    after it, into a queue of ``prefetch`` batches (with ``copy``, on the device)."""
+    after it, into a queue of ``prefetch`` batches (with ``copy``, on the device). With
+    ``samples``, the bad samples its decoding met (``samples.found``) are counted in
+    ``samples.skipped`` as their batches are taken, not as they are made ahead."""
 
     _JOIN_S = 5.0
 
-    def __init__(self, source: Source, epoch: int, step: int, prefetch: int, copy: DeviceCopy | None) -> None:
-        self._queue: queue.Queue[Item] = queue.Queue(maxsize=max(1, prefetch))
+    def __init__(self, source: Source, epoch: int, step: int, prefetch: int, copy: DeviceCopy | None,
+                 samples: SampleMap | None = None) -> None:
+        self._queue: queue.Queue[tuple[Item, _Found]] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         self._closed = False
+        self._skipped = samples.skipped if samples is not None else None
         # The thread holds the source, the queue and the event, never this object.
-        self._thread = threading.Thread(target=_pump, args=(source, epoch, step, self._queue, self._stop, copy),
-                                        name="sparkdl-prefetch", daemon=True)
+        self._thread = threading.Thread(target=_pump, name="sparkdl-prefetch", daemon=True,
+                                        args=(source, epoch, step, self._queue, self._stop, copy,
+                                              samples.found if samples is not None else None))
         self._thread.start()
 
     def get(self) -> Item:
         while True:
             try:
-                return self._queue.get(timeout=0.5)
+                return self._taken(self._queue.get(timeout=0.5))
             except queue.Empty:
                 # Bounded by the thread's life: it always leaves an item before it ends.
                 if not self._thread.is_alive():
                     try:
-                        return self._queue.get_nowait()
+                        return self._taken(self._queue.get_nowait())
                     except queue.Empty:
                         return Failure(DatasetError("the loader's reader thread ended without a result"))
+
+    def _taken(self, entry: tuple[Item, _Found]) -> Item:
+        item, met = entry
+        if met[0] and self._skipped is not None:
+            self._skipped.merge(*met)
+        return item
 
     def close(self) -> None:
         """Stops the thread and drops the batches it prepared."""

@@ -63,7 +63,7 @@ from sparkdl._internal.data.reading.read import Batch, pin_batch
 from sparkdl._internal.data.reading.slots import Mailbox, Mapped, Returns, Slots
 
 if TYPE_CHECKING:
-    from sparkdl._internal.data.decoding.samples import Skipped
+    from sparkdl._internal.data.decoding.samples import SampleMap, Skipped
     from sparkdl._internal.data.reading.reshard import Reading
 
 _POLL_S = 0.1  # how often a waiting side looks at its peer's life and the stop flag
@@ -94,8 +94,9 @@ def _wait_for_room(taken: Any, i: int, sent: int, ahead: int, stop: Any, parent:
 
 def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: Connection, taken: Any,
           returns: Returns, mailbox: Mailbox, ahead: int, stop: Any, parent: int, by_main_thread: bool,
-          skipped: Skipped | None) -> None:
-    """A worker: its units' batches, epoch after epoch, into slots, until stopped or orphaned."""
+          found: Skipped | None) -> None:
+    """A worker: its units' batches, epoch after epoch, into slots, until stopped or orphaned;
+    each with the bad samples its decoding met (``found``) while it was made."""
     _die_with_parent(parent, by_main_thread)
     import torch
 
@@ -110,7 +111,7 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
     # and handing its free memory back after each batch (release_unused) saved 35-45 MiB of a
     # worker's peak but read 0.6-0.75x as fast.
     slots, sent = Slots(conn, parent, returns, mailbox, keep=ahead + 2), 0
-    told = (skipped.count, len(skipped.examples)) if skipped is not None else (0, 0)
+    mark = found.mark() if found is not None else (0, 0)
     items, given = source.epochs(epoch, step, part), 0
 
     def orphaned() -> bool:
@@ -124,11 +125,10 @@ def _work(source: Reading, part: tuple[int, int], epoch: int, step: int, conn: C
                 epoch, step, given = epoch + 1, 0, 0
                 continue
             given += 1
-            extra: tuple[Any, ...] = ()
-            if skipped is not None and (skipped.count, len(skipped.examples)) != told:
-                extra = (skipped.count - told[0], skipped.examples[told[1] :])
-                told = (skipped.count, len(skipped.examples))
-            slot = slots.pack(batch, extra)
+            met: tuple[Any, ...] = ()
+            if found is not None:
+                met, mark = found.since(mark)
+            slot = slots.pack(batch, met)
             del batch
             if not _wait_for_room(taken, part[0], sent, ahead, stop, parent):
                 return
@@ -157,15 +157,17 @@ class Workers:
     """``workers`` processes playing ``source`` from ``(epoch, step)`` on, epoch after epoch; the
     training process's side. ``get()`` gives the next item as :class:`~sparkdl._internal.data.reading.prefetch.Pump`
     does (a batch, the end of an epoch, or a failure), pinned with ``pin``, copied with ``copy``.
-    ``skipped``: where the workers' bad samples are counted (``on_bad_sample="skip"``)."""
+    ``samples``: the workers' bad samples (``on_bad_sample="skip"``) are counted in its
+    ``skipped`` as their batches are taken."""
 
     JOIN_S = 2.0
     """How long :meth:`close` lets the workers end on their own before it kills them."""
 
     def __init__(self, source: Reading, epoch: int, step: int, *, workers: int, prefetch: int, pin: bool,
-                 copy: DeviceCopy | None, skipped: Skipped | None) -> None:
+                 copy: DeviceCopy | None, samples: SampleMap | None) -> None:
         context = multiprocessing.get_context("fork")
-        self._source, self._copy, self._pin, self._skipped = source, copy, pin, skipped
+        self._source, self._copy, self._pin = source, copy, pin
+        self._skipped = samples.skipped if samples is not None else None
         self._stop = context.Event()
         self._polls: list[select.poll] = []
         self._conns: list[Connection] = []
@@ -186,7 +188,7 @@ class Workers:
             proc = context.Process(
                 target=_work, name=f"sparkdl-loader-{i}", daemon=True,
                 args=(source, (i, workers), epoch, step, theirs, self._taken, self._returns[i], self._mailboxes[i], ahead,
-                      self._stop, os.getpid(), by_main, skipped))
+                      self._stop, os.getpid(), by_main, samples.found if samples is not None else None))
             proc.start()
             theirs.close()
             self._conns.append(mine)
@@ -244,9 +246,9 @@ class Workers:
                     if not self._read_messages(w, wait=True):
                         return None
                 self._taken[w] += 1
-                batch, extra = self._mapped.unpack(w, slot)
-                if extra and self._skipped is not None:
-                    self._skipped.merge(*extra)
+                batch, met = self._mapped.unpack(w, slot)
+                if met and met[0] and self._skipped is not None:
+                    self._skipped.merge(*met)
                 return batch
             failed = self._failed[w]
             if failed is not None:
